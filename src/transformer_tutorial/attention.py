@@ -1,0 +1,174 @@
+"""Chapters 3 and 4: scaled dot-product attention and multi-head attention.
+
+Shapes: queries ``(B, L, D)``, keys and values ``(B, S, D)``; inside, heads ``(B, H, L, Dh)``.
+Masks are bool with True = blocked (see :mod:`transformer_tutorial.masks`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from transformer_tutorial.masks import merge_masks
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """softmax(q kᵀ / √d_k) v, written out.
+
+    Args:
+        q: ``(B, H, L, Dk)`` or ``(B, L, Dk)``.
+        k: ``(B, H, S, Dk)`` or ``(B, S, Dk)``.
+        v: ``(B, H, S, Dv)`` or ``(B, S, Dv)``.
+        attn_mask: bool, True = blocked: ``(L, S)``, ``(B, L, S)`` or ``(B, H, L, S)``.
+        key_padding_mask: bool ``(B, S)``, True = padding.
+        dropout_p: dropout on the attention weights (pass 0.0 when evaluating).
+        need_weights: also return the weights ``(B, H, L, S)`` (or ``(B, L, S)``).
+
+    Returns:
+        ``(output, weights or None)``; output ``(B, H, L, Dv)`` (or ``(B, L, Dv)``).
+
+    A query whose every key is blocked gets all-zero weights and a zero output, never NaN.
+    """
+    if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(
+            f"q, k, v must all be (B, L, Dk) or all (B, H, L, Dk); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    heads = q.dim() == 4
+    blocked = merge_masks(
+        attn_mask, key_padding_mask, batch_size=q.size(0), q_len=q.size(-2), k_len=k.size(-2)
+    )
+    if blocked is not None and not heads:
+        blocked = blocked[:, 0] if blocked.size(1) == 1 else blocked.squeeze(1)  # (B, L, S)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, L, S)
+    if blocked is not None:
+        # The most negative finite number, not -inf: a fully blocked row then softmaxes to a
+        # uniform row instead of NaN, and is zeroed just below.
+        scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1)
+    if blocked is not None:
+        weights = weights.masked_fill(blocked, 0.0)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return weights @ v, (weights if need_weights else None)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Keys and values already projected and split into heads, each ``(B, H, S, Dh)``."""
+
+    k: Tensor
+    v: Tensor
+
+    def append(self, other: KVCache) -> KVCache:
+        """A new cache with ``other``'s positions after this one's (along S)."""
+        return KVCache(torch.cat([self.k, other.k], dim=2), torch.cat([self.v, other.v], dim=2))
+
+    def reorder(self, index: Tensor) -> KVCache:
+        """Select batch rows (beam search reorders hypotheses after every step)."""
+        return KVCache(self.k.index_select(0, index), self.v.index_select(0, index))
+
+
+class MultiHeadAttention(nn.Module):
+    """H attention heads in parallel, each on its own Dh-wide projection (section 3.2.2).
+
+    Args:
+        d_model: D, split into ``n_heads`` heads of width ``D // n_heads``.
+        n_heads: H.
+        dropout: dropout on the attention weights while training.
+        bias: whether the four projections have biases.
+
+    Shapes:
+        query ``(B, L, D)``, key and value ``(B, S, D)`` → output ``(B, L, D)`` and, with
+        ``need_weights=True``, per-head weights ``(B, H, L, S)``.
+
+    ``forward`` = ``project_kv`` + ``attend``; decoding calls the two halves separately so that
+    keys and values computed once can be kept in a :class:`KVCache`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        if n_heads <= 0 or d_model % n_heads:
+            raise ValueError(
+                f"d_model={d_model} must be divisible by n_heads={n_heads}: each head gets "
+                f"d_model // n_heads dimensions. Choose e.g. n_heads in "
+                f"{[h for h in range(1, min(d_model, 16) + 1) if d_model % h == 0]}"
+            )
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.d_head = d_model // n_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        B, L, _ = x.shape
+        return x.view(B, L, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, L, Dh)
+
+    def project_kv(self, key: Tensor, value: Tensor) -> KVCache:
+        """Project keys and values and split them into heads: ``(B, S, D)`` → ``(B, H, S, Dh)``."""
+        return KVCache(self._split_heads(self.k_proj(key)), self._split_heads(self.v_proj(value)))
+
+    def attend(
+        self,
+        query: Tensor,
+        kv: KVCache,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend from ``query`` ``(B, L, D)`` over projected keys/values ``(B, H, S, Dh)``."""
+        B, L, _ = query.shape
+        S = kv.k.size(2)
+        q = self._split_heads(self.q_proj(query))  # 1) project: (B, H, L, Dh)
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:  # 2) attend, written out
+            out, weights = scaled_dot_product_attention(
+                q, kv.k, kv.v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                dropout_p=dropout_p, need_weights=True,
+            )
+        else:  # 2) attend with PyTorch's fused kernel: same function, less memory traffic
+            blocked = merge_masks(attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S)
+            allowed = None if blocked is None else ~blocked  # F.sdpa: True = attend
+            # (torch >= 2.5 gives a query with no key left zeros, as the written-out path does)
+            out = F.scaled_dot_product_attention(q, kv.k, kv.v, attn_mask=allowed, dropout_p=dropout_p)
+            weights = None
+        out = out.transpose(1, 2).reshape(B, L, self.d_model)  # 3) concat heads: (B, L, D)
+        return self.out_proj(out), weights  # 4) mix heads
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Returns ``(output (B, L, D), per-head weights (B, H, L, S) or None)``."""
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3 or query.size(-1) != self.d_model:
+            raise ValueError(
+                f"expected batch-first (B, L, {self.d_model}) inputs, got query {tuple(query.shape)}, "
+                f"key {tuple(key.shape)}, value {tuple(value.shape)}"
+            )
+        return self.attend(
+            query, self.project_kv(key, value), key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask, need_weights=need_weights,
+        )

@@ -1,0 +1,281 @@
+"""Chapters 7–9: the encoder and decoder stacks and the whole encoder–decoder Transformer.
+
+Shapes: source ids ``(B, S)``, target ids ``(B, T)`` → logits ``(B, T, V)``; the encoder's
+output, the "memory", is ``(B, S, D)``. The model returns logits: softmax belongs to the loss
+(``F.cross_entropy``) and to decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from transformer_tutorial.embeddings import SinusoidalPositionalEncoding, TokenEmbedding
+from transformer_tutorial.layers import DecoderLayer, EncoderLayer, LayerCache, LayerNorm
+from transformer_tutorial.masks import padding_mask
+
+
+class Encoder(nn.Module):
+    """A stack of ``n_layers`` :class:`EncoderLayer`, plus a final LayerNorm for pre-norm.
+
+    In pre-norm the residual stream is never normalised inside the stack, so the stack ends with
+    one LayerNorm; post-norm layers already end with one.
+
+    Shapes:
+        x ``(B, S, D)``, src_key_padding_mask ``(B, S)`` → memory ``(B, S, D)``; with
+        ``need_weights=True`` also a list of each layer's weights ``(B, H, S, S)``.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        *,
+        norm_first: bool = False,
+        activation: str = "relu",
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            EncoderLayer(d_model, n_heads, d_ff, dropout, norm_first=norm_first,
+                         activation=activation, layer_norm_eps=layer_norm_eps)
+            for _ in range(n_layers)
+        )
+        self.norm = LayerNorm(d_model, layer_norm_eps) if norm_first else None
+
+    def forward(
+        self, x: Tensor, *, src_key_padding_mask: Tensor | None = None, need_weights: bool = False
+    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+        weights = []
+        for layer in self.layers:
+            if need_weights:
+                x, w = layer(x, src_key_padding_mask=src_key_padding_mask, need_weights=True)
+                weights.append(w)
+            else:
+                x = layer(x, src_key_padding_mask=src_key_padding_mask)
+        if self.norm is not None:
+            x = self.norm(x)
+        return (x, weights) if need_weights else x
+
+
+class Decoder(nn.Module):
+    """A stack of ``n_layers`` :class:`DecoderLayer`, plus a final LayerNorm for pre-norm.
+
+    Shapes:
+        x ``(B, T, D)``, memory ``(B, S, D)`` → ``(B, T, D)``; with ``need_weights=True`` also a
+        list of each layer's ``(self-attention, cross-attention)`` weights.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        *,
+        norm_first: bool = False,
+        activation: str = "relu",
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            DecoderLayer(d_model, n_heads, d_ff, dropout, norm_first=norm_first,
+                         activation=activation, layer_norm_eps=layer_norm_eps)
+            for _ in range(n_layers)
+        )
+        self.norm = LayerNorm(d_model, layer_norm_eps) if norm_first else None
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        *,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        weights = []
+        for layer in self.layers:
+            out = layer(x, memory, tgt_key_padding_mask=tgt_key_padding_mask,
+                        memory_key_padding_mask=memory_key_padding_mask, need_weights=need_weights)
+            if need_weights:
+                x, w = out
+                weights.append(w)
+            else:
+                x = out
+        if self.norm is not None:
+            x = self.norm(x)
+        return (x, weights) if need_weights else x
+
+    def step(
+        self, x: Tensor, caches: tuple[LayerCache, ...], *, memory_key_padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, tuple[LayerCache, ...]]:
+        """Run new positions through every layer, each with its own cache."""
+        new_caches = []
+        for layer, cache in zip(self.layers, caches):
+            x, cache = layer.step(x, cache, memory_key_padding_mask=memory_key_padding_mask)
+            new_caches.append(cache)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x, tuple(new_caches)
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Every hyperparameter of the model. Defaults are the paper's base model (Table 3).
+
+    ``share_embeddings`` makes source and target use one embedding table (needs one joint
+    vocabulary); ``tie_output`` makes the output layer reuse the target embedding matrix.
+    """
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int = 512
+    n_heads: int = 8
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    d_ff: int = 2048
+    dropout: float = 0.1
+    max_len: int = 512
+    norm_first: bool = False
+    activation: str = "relu"
+    layer_norm_eps: float = 1e-5
+    pad_id: int = 0
+    share_embeddings: bool = False
+    tie_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
+            )
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError(
+                "share_embeddings needs one joint vocabulary: src_vocab_size "
+                f"{self.src_vocab_size} != tgt_vocab_size {self.tgt_vocab_size}"
+            )
+        if not 0 <= self.pad_id < min(self.src_vocab_size, self.tgt_vocab_size):
+            raise ValueError(f"pad_id={self.pad_id} is not an id of both vocabularies")
+
+
+@dataclass(frozen=True)
+class DecoderCache:
+    """Everything incremental decoding carries from one step to the next.
+
+    ``layers``: one :class:`LayerCache` per decoder layer; ``memory_key_padding_mask``: ``(B, S)``;
+    ``length``: how many target positions the cache holds.
+    """
+
+    layers: tuple[LayerCache, ...]
+    memory_key_padding_mask: Tensor | None
+    length: int
+
+    def reorder(self, index: Tensor) -> DecoderCache:
+        """Select batch rows ``index`` ``(B',)`` of every tensor (beam search)."""
+        mask = None if self.memory_key_padding_mask is None else self.memory_key_padding_mask.index_select(0, index)
+        return DecoderCache(tuple(c.reorder(index) for c in self.layers), mask, self.length)
+
+
+class Transformer(nn.Module):
+    """The encoder–decoder Transformer: embeddings → encoder → decoder → generator (logits).
+
+    Padding masks are derived from ``config.pad_id`` when not given, and the decoder's causal
+    mask is built inside its self-attention, so ``model(src, tgt)`` is always correctly masked.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.src_embed = TokenEmbedding(c.src_vocab_size, c.d_model, padding_idx=c.pad_id)
+        self.tgt_embed = (
+            self.src_embed if c.share_embeddings
+            else TokenEmbedding(c.tgt_vocab_size, c.d_model, padding_idx=c.pad_id)
+        )
+        self.positional = SinusoidalPositionalEncoding(c.d_model, c.max_len, c.dropout)
+        stack = dict(d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, dropout=c.dropout,
+                     norm_first=c.norm_first, activation=c.activation, layer_norm_eps=c.layer_norm_eps)
+        self.encoder = Encoder(c.n_encoder_layers, **stack)
+        self.decoder = Decoder(c.n_decoder_layers, **stack)
+        self.generator = nn.Linear(c.d_model, c.tgt_vocab_size)
+        self.reset_parameters()
+        if c.tie_output:
+            self.generator.weight = self.tgt_embed.weight
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform for every matrix, as the paper's reference code; zero biases.
+
+        Xavier keeps the shared embedding small (std ≈ √(2 / (V + D))), so tied output logits
+        start near zero instead of the huge values ``nn.Embedding``'s N(0, 1) would give.
+        """
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        with torch.no_grad():
+            for embed in {self.src_embed, self.tgt_embed}:
+                embed.weight[self.config.pad_id].zero_()
+
+    def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Tensor:
+        """Source ids ``(B, S)`` → memory ``(B, S, D)``."""
+        self._check_ids("src", src, self.config.src_vocab_size)
+        if src_key_padding_mask is None:
+            src_key_padding_mask = padding_mask(src, self.config.pad_id)
+        x = self.positional(self.src_embed(src))
+        return self.encoder(x, src_key_padding_mask=src_key_padding_mask)
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        *,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Target ids ``(B, T)`` and memory ``(B, S, D)`` → logits ``(B, T, V)``, all positions at once."""
+        self._check_ids("tgt", tgt, self.config.tgt_vocab_size)
+        if tgt_key_padding_mask is None:
+            tgt_key_padding_mask = padding_mask(tgt, self.config.pad_id)
+        x = self.positional(self.tgt_embed(tgt))
+        x = self.decoder(x, memory, tgt_key_padding_mask=tgt_key_padding_mask,
+                         memory_key_padding_mask=memory_key_padding_mask)
+        return self.generator(x)
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        *,
+        src_key_padding_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Source ids ``(B, S)``, target ids ``(B, T)`` → logits ``(B, T, V)`` (teacher forcing)."""
+        if src_key_padding_mask is None:
+            src_key_padding_mask = padding_mask(src, self.config.pad_id)
+        memory = self.encode(src, src_key_padding_mask)
+        return self.decode(tgt, memory, memory_key_padding_mask=src_key_padding_mask,
+                           tgt_key_padding_mask=tgt_key_padding_mask)
+
+    def init_cache(self, memory: Tensor, memory_key_padding_mask: Tensor | None = None) -> DecoderCache:
+        """Project the memory's keys/values once per layer for incremental decoding."""
+        layers = tuple(layer.init_cache(memory) for layer in self.decoder.layers)
+        return DecoderCache(layers, memory_key_padding_mask, 0)
+
+    def decode_step(self, tgt: Tensor, cache: DecoderCache) -> tuple[Tensor, DecoderCache]:
+        """New target ids ``(B, T_new)`` after the ``cache.length`` held in ``cache`` → their
+        logits ``(B, T_new, V)`` and the grown cache. Equal to :meth:`decode` on the whole prefix.
+        """
+        x = self.positional(self.tgt_embed(tgt), start=cache.length)
+        x, layers = self.decoder.step(x, cache.layers, memory_key_padding_mask=cache.memory_key_padding_mask)
+        return self.generator(x), DecoderCache(layers, cache.memory_key_padding_mask, cache.length + tgt.size(1))
+
+    @staticmethod
+    def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:
+        if ids.dim() != 2:
+            raise ValueError(f"{name} must be token ids of shape (B, L), got {tuple(ids.shape)}")

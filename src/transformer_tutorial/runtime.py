@@ -1,0 +1,37 @@
+"""Device choice and seeding: decided once, in the notebook or the command line, never in a module."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+
+def get_device(prefer: str | None = None) -> torch.device:
+    """Return the device to run on: ``prefer`` if given, else CUDA, then Apple's MPS, then CPU."""
+    if prefer is not None:
+        return torch.device(prefer)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def set_seed(seed: int) -> torch.Generator:
+    """Seed Python, NumPy (when installed) and PyTorch on every device; return a seeded generator.
+
+    The generator is handy where a cell wants its own stream of random numbers that later cells
+    cannot disturb.
+    """
+    os.environ["PYTHONHASHSEED"] = str(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # NumPy is optional for the package
+        pass
+    else:
+        np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    return torch.Generator().manual_seed(seed)
