@@ -1,0 +1,216 @@
+"""Chapter 11: decoding — greedy search, beam search, translating text, and BLEU.
+
+Every decoding function is pure: batched, under ``torch.no_grad()``, and keeps no state on the
+model. Call ``model.eval()`` first (or use :func:`translate`, which does it for you).
+
+Shapes: source ids ``(B, S)`` → generated ids ``(B, L)`` with ``L ≤ max_len``; each row ends at
+its first ``<eos>`` and is padded after it. The leading ``<bos>`` is not returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import sacrebleu
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor, nn
+
+from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID, token_batches
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: nn.Module,
+    src: Tensor,
+    *,
+    max_len: int,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    use_cache: bool = True,
+) -> Tensor:
+    """Pick the most likely next token, one step at a time, for the whole batch at once.
+
+    With ``use_cache`` each step feeds only the newest token through :meth:`decode_step` and
+    reuses the keys and values of earlier positions; without it each step runs :meth:`decode`
+    over the whole prefix again. Both give the same tokens.
+
+    Shapes:
+        src ``(B, S)`` → ``(B, L)``, ``L ≤ max_len``.
+    """
+    src_key_padding_mask = src == pad_id
+    memory = model.encode(src, src_key_padding_mask)  # (B, S, D)
+    ys = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # (B, 1)
+    finished = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
+    cache = model.init_cache(memory, src_key_padding_mask) if use_cache else None
+    for _ in range(max_len):
+        if use_cache:
+            logits, cache = model.decode_step(ys[:, -1:], cache)  # (B, 1, V)
+        else:
+            # Nothing in a prefix is padding (finished rows are ignored), as in the cached path.
+            logits = model.decode(ys, memory, memory_key_padding_mask=src_key_padding_mask,
+                                  tgt_key_padding_mask=torch.zeros_like(ys, dtype=torch.bool))  # (B, t, V)
+        next_token = logits[:, -1].argmax(dim=-1).masked_fill(finished, pad_id)  # (B,)
+        ys = torch.cat([ys, next_token[:, None]], dim=1)
+        finished |= next_token == eos_id
+        if finished.all():
+            break
+    return ys[:, 1:]
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT's length normalisation ``((5 + length) / 6) ** alpha`` (Wu et al., 2016)."""
+    return ((5 + length) / 6) ** alpha
+
+
+@torch.no_grad()
+def beam_search(
+    model: nn.Module,
+    src: Tensor,
+    *,
+    beam_size: int,
+    max_len: int,
+    alpha: float = 0.6,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+) -> tuple[Tensor, Tensor]:
+    """Keep the ``beam_size`` most likely prefixes of each sentence, batched over sentences and beams.
+
+    Each step extends every live beam by every token and keeps the best ``2 * beam_size``
+    candidates: those ending in ``<eos>`` among the best ``beam_size`` are finished and scored
+    ``log p(y) / length_penalty(len(y), alpha)``; the best ``beam_size`` others live on. A
+    finished hypothesis is never extended. At ``max_len`` every live beam is finished as it is.
+    A sentence stops when it holds ``beam_size`` finished hypotheses, or when no live beam could
+    still beat its best one.
+
+    Returns:
+        The best finished hypothesis of each sentence ``(B, L)`` and its score ``(B,)``.
+    """
+    B, K, device = src.size(0), beam_size, src.device
+    src_key_padding_mask = src == pad_id
+    memory = model.encode(src, src_key_padding_mask)  # (B, S, D)
+    rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,) the sentence of each beam
+    cache = model.init_cache(memory.index_select(0, rows), src_key_padding_mask.index_select(0, rows))
+    tokens = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)  # (B*K, t+1)
+    alive = torch.full((B, K), float("-inf"), device=device)
+    alive[:, 0] = 0.0  # log p of each live beam; at first there is one beam, not K copies of it
+    best = torch.full((B, K), float("-inf"), device=device)  # finished scores, best first
+    best_tokens = torch.full((B, K, max_len), pad_id, dtype=torch.long, device=device)
+    best_lengths = torch.zeros(B, K, dtype=torch.long, device=device)
+    first_row = torch.arange(B, device=device)[:, None] * K  # (B, 1)
+    for t in range(max_len):
+        length, last = t + 1, t + 1 == max_len
+        logits, cache = model.decode_step(tokens[:, -1:], cache)  # (B*K, 1, V)
+        logp = logits[:, -1].float().log_softmax(dim=-1)  # (B*K, V)
+        V = logp.size(-1)
+        candidates = (alive[:, :, None] + logp.view(B, K, V)).view(B, K * V)
+        top, index = candidates.topk(min(2 * K, K * V), dim=-1)  # (B, N), best first
+        beam, token = index // V, index % V  # (B, N)
+        source_rows = first_row + beam  # (B, N) rows of ``tokens`` the candidates extend
+        ends = (token == eos_id) | last
+
+        # 1) finish: ends among the best K candidates
+        rank = torch.arange(top.size(1), device=device)
+        finishing = ends & (rank < K) & top.isfinite()
+        new_scores = torch.where(finishing, top / length_penalty(length, alpha), float("-inf"))
+        new_tokens = torch.cat([tokens[source_rows.view(-1), 1:], token.view(-1, 1)], dim=1)  # (B*N, length)
+        new_tokens = nn.functional.pad(new_tokens, (0, max_len - length), value=pad_id).view(B, -1, max_len)
+        pool = torch.cat([best, new_scores], dim=1)  # (B, K + N)
+        best, keep = pool.topk(K, dim=-1)
+        best_tokens = torch.cat([best_tokens, new_tokens], dim=1).gather(1, keep[:, :, None].expand(-1, -1, max_len))
+        best_lengths = torch.cat([best_lengths, torch.full_like(new_scores, length, dtype=torch.long)], dim=1).gather(1, keep)
+
+        # 2) live on: the best K candidates that did not end
+        alive, pick = torch.where(ends, float("-inf"), top).topk(K, dim=-1)  # (B, K)
+        chosen = source_rows.gather(1, pick).view(-1)  # (B*K,)
+        tokens = torch.cat([tokens.index_select(0, chosen), token.gather(1, pick).view(-1, 1)], dim=1)
+        cache = cache.reorder(chosen)
+
+        # 3) stop a sentence once no live beam can still win (log p only falls as beams grow)
+        if not last:
+            reach = max(length_penalty(length + 1, alpha), length_penalty(max_len, alpha))
+            full = best[:, -1].isfinite()
+            beaten = best[:, 0] >= alive[:, 0] / reach
+            alive = alive.masked_fill((full | beaten)[:, None], float("-inf"))
+        if not alive.isfinite().any():
+            break
+    width = int(best_lengths[:, 0].max())
+    return best_tokens[:, 0, :width], best[:, 0]
+
+
+def strip_eos(ids: Sequence[int], eos_id: int = EOS_ID) -> list[int]:
+    """The ids before the first ``eos_id``."""
+    ids = list(ids)
+    return ids[: ids.index(eos_id)] if eos_id in ids else ids
+
+
+def translate(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    sentences: Sequence[str],
+    *,
+    beam_size: int = 1,
+    max_len: int | None = None,
+    alpha: float = 0.6,
+    max_tokens: int = 4000,
+) -> list[str]:
+    """Translate plain sentences into plain detokenised text, in the order given.
+
+    Sentences are batched by length (about ``max_tokens`` source tokens a batch, divided among
+    the beams). ``max_len`` bounds the generated tokens: by default 50 more than the longest
+    source in the batch, within the model's ``max_len``. Greedy search for ``beam_size=1``.
+    """
+    limit = model.config.max_len
+    ids = [e.ids for e in tokenizer.encode_batch(list(sentences))]
+    for i, x in enumerate(ids):
+        if not x:
+            raise ValueError(f"sentence {i + 1} is empty")
+        if len(x) > limit:
+            raise ValueError(f"sentence {i + 1} has {len(x)} tokens, more than the model's max_len={limit}")
+    device = next(model.parameters()).device
+    out: list[list[int]] = [[] for _ in ids]
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in token_batches([len(x) for x in ids], max(max_tokens // beam_size, 1)):
+            src = torch.full((len(batch), max(len(ids[i]) for i in batch)), PAD_ID, dtype=torch.long)
+            for row, i in enumerate(batch):
+                src[row, : len(ids[i])] = torch.tensor(ids[i])
+            src = src.to(device)
+            steps = max_len or min(limit, src.size(1) + 50)
+            if beam_size == 1:
+                hyps = greedy_decode(model, src, max_len=steps, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
+            else:
+                hyps, _ = beam_search(model, src, beam_size=beam_size, max_len=steps, alpha=alpha,
+                                      bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
+            for row, i in enumerate(batch):
+                out[i] = strip_eos(hyps[row].tolist())
+    finally:
+        model.train(was_training)
+    return tokenizer.decode_batch(out, skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class BleuScore:
+    """sacreBLEU's default corpus BLEU (cased, 13a tokenisation), its signature, and the
+    same score lowercased."""
+
+    score: float
+    lowercase: float
+    signature: str
+
+    def __str__(self) -> str:
+        return f"BLEU {self.score:.2f} (lowercased {self.lowercase:.2f}) {self.signature}"
+
+
+def bleu(hyps: Sequence[str], refs: Sequence[str]) -> BleuScore:
+    """Corpus BLEU of detokenised hypotheses against raw references (one reference each)."""
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
+    cased = sacrebleu.BLEU()
+    lower = sacrebleu.BLEU(lowercase=True)
+    score = cased.corpus_score(list(hyps), [list(refs)]).score
+    return BleuScore(score, lower.corpus_score(list(hyps), [list(refs)]).score, str(cased.get_signature()))

@@ -1,0 +1,205 @@
+"""Decoding: KV cache == recompute, batched == one by one, beam properties, translate and BLEU."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from transformer_tutorial.decode import beam_search, bleu, greedy_decode, length_penalty, strip_eos, translate
+from transformer_tutorial.model import Transformer, TransformerConfig
+
+PAD, BOS, EOS = 0, 1, 2
+IDS = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD)
+
+
+def tiny_model(vocab_size: int = 12, seed: int = 0, sharpen: float = 4.0) -> Transformer:
+    """A random tiny Transformer whose output layer is scaled up, so that its choices are clear-cut."""
+    torch.manual_seed(seed)
+    config = TransformerConfig(vocab_size, vocab_size, d_model=16, n_heads=2, n_encoder_layers=1,
+                               n_decoder_layers=1, d_ff=32, dropout=0.0, max_len=32, norm_first=True)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        model.generator.weight.mul_(sharpen)
+    return model
+
+
+def random_src(vocab_size: int, lengths: list[int], seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    src = torch.full((len(lengths), max(lengths)), PAD)
+    for row, n in enumerate(lengths):
+        src[row, :n] = torch.randint(3, vocab_size, (n,), generator=g)
+    return src
+
+
+def test_greedy_kv_cache_equals_recompute():
+    model = tiny_model()
+    src = random_src(12, [5, 3, 7, 1])
+    cached = greedy_decode(model, src, max_len=12, use_cache=True, **IDS)
+    recomputed = greedy_decode(model, src, max_len=12, use_cache=False, **IDS)
+    assert torch.equal(cached, recomputed)
+
+
+def test_greedy_batched_equals_one_by_one_and_stops_at_eos():
+    model = tiny_model(seed=3)
+    src = random_src(12, [6, 2, 4], seed=5)
+    batch = greedy_decode(model, src, max_len=10, **IDS)
+    for row in range(src.size(0)):
+        alone = greedy_decode(model, src[row : row + 1, : int((src[row] != PAD).sum())], max_len=10, **IDS)[0]
+        assert batch[row, : alone.numel()].tolist() == alone.tolist()
+        assert (batch[row, alone.numel() :] == PAD).all()
+        tokens = batch[row].tolist()
+        if EOS in tokens:  # after the first <eos> nothing but padding
+            assert all(t == PAD for t in tokens[tokens.index(EOS) + 1 :])
+
+
+def test_greedy_stops_when_every_sentence_has_finished():
+    model = tiny_model()
+    with torch.no_grad():  # make <eos> the only choice
+        model.generator.bias.fill_(-100.0)
+        model.generator.bias[EOS] = 100.0
+    out = greedy_decode(model, random_src(12, [4, 2]), max_len=20, **IDS)
+    assert out.tolist() == [[EOS], [EOS]]
+
+
+def test_beam_size_one_equals_greedy():
+    model = tiny_model(seed=7)
+    src = random_src(12, [5, 3, 6, 2], seed=2)
+    greedy = greedy_decode(model, src, max_len=9, **IDS)
+    beam, _ = beam_search(model, src, beam_size=1, max_len=9, alpha=0.6, **IDS)
+    assert torch.equal(beam, greedy)
+
+
+def sequence_log_probs(model: Transformer, src: torch.Tensor, hyps: list[list[int]]) -> list[float]:
+    """log p(ys | src) of each hypothesis by teacher forcing (no cache); src is one sentence ``(1, S)``."""
+    width = max(len(ys) for ys in hyps)
+    tgt = torch.tensor([[BOS, *ys[:-1]] + [3] * (width - len(ys)) for ys in hyps])  # filler after the end
+    with torch.no_grad():
+        memory = model.encode(src).expand(len(hyps), -1, -1)
+        logp = model.decode(tgt, memory, memory_key_padding_mask=(src == PAD).expand(len(hyps), -1),
+                            tgt_key_padding_mask=torch.zeros_like(tgt, dtype=torch.bool)).log_softmax(-1)
+    return [float(logp[i, torch.arange(len(ys)), torch.tensor(ys)].sum()) for i, ys in enumerate(hyps)]
+
+
+def all_hypotheses(vocab_size: int, max_len: int):
+    """Every finished sequence: ends at its first <eos>, or runs to max_len."""
+    for length in range(1, max_len + 1):
+        for ys in itertools.product(range(vocab_size), repeat=length):
+            if EOS not in ys[:-1] and (ys[-1] == EOS or length == max_len):
+                yield list(ys)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_wide_beam_finds_the_true_maximum(alpha):
+    vocab_size, max_len = 5, 3
+    model = tiny_model(vocab_size, seed=11, sharpen=2.0)
+    src = random_src(vocab_size, [3, 1, 2], seed=4)
+    tokens, scores = beam_search(model, src, beam_size=vocab_size**max_len, max_len=max_len, alpha=alpha, **IDS)
+    for row in range(src.size(0)):
+        one = src[row : row + 1, : int((src[row] != PAD).sum())]
+        hyps = list(all_hypotheses(vocab_size, max_len))
+        scored = [(lp / length_penalty(len(ys), alpha), ys)
+                  for lp, ys in zip(sequence_log_probs(model, one, hyps), hyps)]
+        best_score, best_ys = max(scored)
+        assert scores[row].item() == pytest.approx(best_score, abs=1e-5)
+        assert tokens[row, : len(best_ys)].tolist() == best_ys
+
+
+class MarkovCache:
+    """A cache with nothing to hold: the toy model below looks only at the newest token."""
+
+    def reorder(self, index: torch.Tensor) -> MarkovCache:
+        return self
+
+
+class MarkovModel(nn.Module):
+    """A hand-built stand-in with the Transformer's decoding interface: the next token's logits
+    depend on the previous token only, through a fixed table."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("table", table)
+
+    def encode(self, src, src_key_padding_mask=None):
+        return torch.zeros(*src.shape, 1)
+
+    def init_cache(self, memory, memory_key_padding_mask=None):
+        return MarkovCache()
+
+    def decode_step(self, tgt, cache):
+        return self.table[tgt], cache  # (B, 1, V)
+
+
+def test_finished_hypotheses_are_never_extended():
+    # After <bos>: <eos> or "a", half and half. After <eos> the model would say "a" for sure,
+    # so a search that kept extending the finished "<eos>" would reach "<eos> a a", whose
+    # length penalty (alpha = 1) makes it score better than any true hypothesis.
+    no = -30.0
+    table = torch.tensor([
+        [0.0, 0.0, 0.0, 0.0],  # after <pad>
+        [no, no, 0.0, 0.0],  # after <bos>
+        [no, no, no, 10.0],  # after <eos>
+        [no, no, 0.0, 0.0],  # after "a"
+    ])
+    tokens, scores = beam_search(MarkovModel(table), torch.tensor([[3]]), beam_size=2, max_len=3, alpha=1.0, **IDS)
+    assert tokens.tolist() == [[EOS]]
+    assert scores.item() == pytest.approx(math.log(0.5))
+
+
+def test_beam_search_returns_eos_then_padding_and_consistent_scores():
+    model = tiny_model(seed=5)
+    src = random_src(12, [4, 6, 2], seed=9)
+    tokens, scores = beam_search(model, src, beam_size=4, max_len=8, alpha=0.6, **IDS)
+    for row in range(src.size(0)):
+        ys = tokens[row].tolist()
+        if EOS in ys:
+            ys = ys[: ys.index(EOS) + 1]
+        one = src[row : row + 1, : int((src[row] != PAD).sum())]
+        expected = sequence_log_probs(model, one, [ys])[0] / length_penalty(len(ys), 0.6)
+        assert scores[row].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_strip_eos():
+    assert strip_eos([5, 6, EOS, PAD]) == [5, 6]
+    assert strip_eos([5, 6]) == [5, 6]
+
+
+def test_bleu_gives_cased_lowercased_and_signature():
+    refs = ["A man rides a bike.", "Two dogs play in the snow."]
+    result = bleu(["a man rides a bike.", "Two dogs play in the snow."], refs)
+    assert result.lowercase == pytest.approx(100.0)
+    assert result.score < result.lowercase
+    assert "tok:13a" in result.signature and "case:mixed" in result.signature
+    assert bleu(refs, refs).score == pytest.approx(100.0)
+
+
+class CharTokenizer:
+    """Just enough of ``tokenizers.Tokenizer`` for :func:`translate`: one id per letter a–i."""
+
+    class Encoding:
+        def __init__(self, ids):
+            self.ids = ids
+
+    def encode_batch(self, sentences):
+        return [self.Encoding([3 + ord(c) - ord("a") for c in s]) for s in sentences]
+
+    def decode_batch(self, batch, skip_special_tokens=True):
+        return ["".join(chr(ord("a") + i - 3) for i in ids if i >= 3) for ids in batch]
+
+
+def test_translate_keeps_order_restores_mode_and_rejects_bad_input():
+    model = tiny_model().train()
+    sentences = ["abcdef", "ab", "ghi"]
+    out = translate(model, CharTokenizer(), sentences, max_len=6)
+    assert model.training
+    src = torch.tensor([[3 + ord(c) - ord("a") for c in "ab"]])
+    direct = greedy_decode(model.eval(), src, max_len=6, **IDS)[0].tolist()
+    assert out[1] == CharTokenizer().decode_batch([strip_eos(direct)])[0]
+    assert len(translate(model, CharTokenizer(), sentences, beam_size=3, max_len=6)) == 3
+    with pytest.raises(ValueError, match="sentence 2 is empty"):
+        translate(model, CharTokenizer(), ["abc", ""])
+    with pytest.raises(ValueError, match="max_len=32"):
+        translate(model, CharTokenizer(), ["a" * 40])
