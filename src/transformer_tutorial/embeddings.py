@@ -86,6 +86,8 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.register_buffer("pe", sinusoidal_table(max_len, d_model), persistent=False)
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        if not x.is_floating_point():
+            raise TypeError(f"x must hold floating-point embeddings, got {x.dtype}; embed token ids first")
         length = x.size(1)
         if start + length > self.max_len:
             raise ValueError(
