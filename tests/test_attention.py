@@ -1,0 +1,288 @@
+"""Chapters 3 and 4: attention equals PyTorch's, masks mean True = blocked, no NaN anywhere.
+
+Every numerical test compares against ``F.scaled_dot_product_attention`` or
+``nn.MultiheadAttention`` with copied weights, so it fails if the 1/√d_k scale or the mask
+polarity changes. Multi-head tests run both paths: ``need_weights=True`` (our written-out
+function) and ``need_weights=False`` (PyTorch's fused kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer_tutorial import set_seed
+from transformer_tutorial.attention import MultiHeadAttention, scaled_dot_product_attention
+from transformer_tutorial.masks import causal_mask
+from transformer_tutorial.reference import copy_mha
+
+ATOL = 1e-5
+B, H, L, S, DK, D = 2, 3, 5, 7, 8, 12
+
+
+def _qkv(heads: bool = True, seed: int = 0):
+    set_seed(seed)
+    lead = (B, H) if heads else (B,)
+    return torch.randn(*lead, L, DK), torch.randn(*lead, S, DK), torch.randn(*lead, S, DK)
+
+
+def _random_mask(seed: int = 1) -> torch.Tensor:
+    """``(L, S)`` bool, True = blocked, about half blocked, every query keeps key 0."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(L, S, generator=gen) < 0.5
+    mask[:, 0] = False
+    return mask
+
+
+def _key_padding() -> torch.Tensor:
+    """``(B, S)`` bool, True = padding: the second sequence has three padded keys."""
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1, -3:] = True
+    return kpm
+
+
+# --- scaled_dot_product_attention == F.scaled_dot_product_attention ---------------------------
+
+
+@pytest.mark.parametrize("heads", [True, False], ids=["4d", "3d"])
+def test_function_matches_torch_without_mask(heads):
+    q, k, v = _qkv(heads)
+    out, _ = scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=ATOL, rtol=0)
+
+
+def test_function_matches_torch_with_bool_mask():
+    q, k, v = _qkv()
+    mask = _random_mask()
+    out, _ = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask)  # F.sdpa: True = attend
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_function_matches_torch_causal():
+    set_seed(0)
+    q, k, v = (torch.randn(B, H, L, DK) for _ in range(3))
+    out, _ = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=ATOL, rtol=0)
+
+
+def test_function_matches_torch_with_key_padding_mask():
+    q, k, v = _qkv()
+    kpm = _key_padding()
+    out, _ = scaled_dot_product_attention(q, k, v, key_padding_mask=kpm)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=~kpm[:, None, None, :])
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("heads", [True, False], ids=["4d", "3d"])
+def test_function_weights_shape_and_values(heads):
+    q, k, v = _qkv(heads)
+    mask = _random_mask()
+    out, weights = scaled_dot_product_attention(q, k, v, attn_mask=mask, need_weights=True)
+    lead = (B, H) if heads else (B,)
+    assert weights.shape == (*lead, L, S) and out.shape == (*lead, L, DK)
+    # Attending over the identity matrix as values returns the weights themselves.
+    eye = torch.eye(S).expand(*lead, S, S)
+    torch.testing.assert_close(weights, F.scaled_dot_product_attention(q, k, eye, attn_mask=~mask), atol=ATOL, rtol=0)
+    assert scaled_dot_product_attention(q, k, v)[1] is None
+
+
+def test_function_fully_blocked_query_gives_zeros_and_finite_gradients():
+    q, k, v = _qkv()
+    q.requires_grad_(True)
+    mask = _random_mask()
+    mask[2] = True  # query 2 may see no key at all
+    out, weights = scaled_dot_product_attention(q, k, v, attn_mask=mask, need_weights=True)
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    assert torch.equal(weights[:, :, 2], torch.zeros_like(weights[:, :, 2]))
+    rest = [0, 1, 3, 4]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask)
+    torch.testing.assert_close(out[:, :, rest], expected[:, :, rest], atol=ATOL, rtol=0)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    assert torch.equal(q.grad[:, :, 2], torch.zeros_like(q.grad[:, :, 2]))
+
+
+def test_function_dropout_drops_weights_and_rescales():
+    q, k, v = _qkv()
+    clean = F.scaled_dot_product_attention(q, k, torch.eye(S).expand(B, H, S, S))  # the weights
+    set_seed(3)
+    _, dropped = scaled_dot_product_attention(q, k, v, dropout_p=0.5, need_weights=True)
+    kept = dropped != 0
+    assert 0.3 < kept.float().mean() < 0.7
+    torch.testing.assert_close(dropped[kept], clean[kept] / 0.5, atol=ATOL, rtol=0)
+
+
+# --- MultiHeadAttention == nn.MultiheadAttention(batch_first=True) ------------------------------
+
+
+def _pair(dropout: float = 0.0, bias: bool = True, seed: int = 0):
+    """Our module and PyTorch's with the same weights (random biases, so they are tested too)."""
+    set_seed(seed)
+    ref = nn.MultiheadAttention(D, H, dropout=dropout, bias=bias, batch_first=True)
+    if bias:
+        with torch.no_grad():
+            nn.init.normal_(ref.in_proj_bias)  # PyTorch initialises both biases to zero
+            nn.init.normal_(ref.out_proj.bias)
+    ours = MultiHeadAttention(D, H, dropout=dropout, bias=bias)
+    copy_mha(ours, ref)
+    return ours.eval(), ref.eval()
+
+
+def _inputs(case: str):
+    set_seed(1)
+    x = torch.randn(B, L, D)
+    memory = torch.randn(B, S, D)
+    if case == "self":
+        return x, x, x, {}
+    kwargs = {
+        "cross": {},
+        "key_padding_mask": {"key_padding_mask": _key_padding()},
+        "attn_mask": {"attn_mask": _random_mask()},
+        "both": {"key_padding_mask": _key_padding(), "attn_mask": _random_mask()},
+    }[case]
+    return x, memory, memory, kwargs
+
+
+CASES = ["self", "cross", "key_padding_mask", "attn_mask", "both"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_mha_matches_torch(case):
+    ours, ref = _pair()
+    query, key, value, masks = _inputs(case)
+    expected, per_head = ref(query, key, value, need_weights=True, average_attn_weights=False, **masks)
+    _, averaged = ref(query, key, value, need_weights=True, average_attn_weights=True, **masks)
+    out_fused, none = ours(query, key, value, need_weights=False, **masks)
+    out_written, weights = ours(query, key, value, need_weights=True, **masks)
+    assert none is None
+    torch.testing.assert_close(out_fused, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out_written, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(weights, per_head, atol=ATOL, rtol=0)
+    torch.testing.assert_close(weights.mean(dim=1), averaged, atol=ATOL, rtol=0)
+
+
+def test_mha_per_head_attn_mask_matches_torch():
+    """Our ``(B, H, L, S)`` mask is PyTorch's ``(B·H, L, S)`` one, heads kept apart."""
+    ours, ref = _pair()
+    query, key, value, _ = _inputs("cross")
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.rand(B, H, L, S, generator=gen) < 0.5
+    mask[..., 0] = False
+    expected, per_head = ref(query, key, value, attn_mask=mask.reshape(B * H, L, S), average_attn_weights=False)
+    for need_weights in (False, True):
+        out, weights = ours(query, key, value, attn_mask=mask, need_weights=need_weights)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(weights, per_head, atol=ATOL, rtol=0)
+
+
+def test_mha_weights_shapes():
+    ours, ref = _pair()
+    query, key, value, _ = _inputs("cross")
+    out, weights = ours(query, key, value, need_weights=True)
+    assert out.shape == (B, L, D) and weights.shape == (B, H, L, S)
+    torch.testing.assert_close(weights, ref(query, key, value, average_attn_weights=False)[1], atol=ATOL, rtol=0)
+    assert ours(query, key, value)[1] is None
+
+
+def test_mha_fully_blocked_query_gives_zeros_in_both_paths():
+    ours, ref = _pair()
+    query, key, value, _ = _inputs("cross")
+    mask = _random_mask()
+    mask[2] = True  # query 2 may see no key at all
+    expected, _ = ref(query, key, value, attn_mask=mask, need_weights=False)
+    for need_weights in (False, True):
+        ours.zero_grad()
+        query_ = query.clone().requires_grad_(True)
+        out, weights = ours(query_, key, value, attn_mask=mask, need_weights=need_weights)
+        # No key to read: the heads contribute zero and only the output bias is left.
+        torch.testing.assert_close(out[:, 2], ours.out_proj.bias.expand(B, D), atol=ATOL, rtol=0)
+        rest = [0, 1, 3, 4]
+        torch.testing.assert_close(out[:, rest], expected[:, rest], atol=ATOL, rtol=0)
+        if need_weights:
+            assert torch.equal(weights[:, :, 2], torch.zeros(B, H, S))
+        out.sum().backward()
+        assert torch.isfinite(query_.grad).all()
+        assert torch.equal(query_.grad[:, 2], torch.zeros(B, D))  # the blocked query gets no gradient
+        assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
+
+
+def test_mha_dropout_only_in_training():
+    ours, ref = _pair(dropout=0.5)
+    query, key, value, masks = _inputs("both")
+    expected, _ = ref(query, key, value, **masks)
+    for need_weights in (False, True):
+        ours.eval()
+        out_a, _ = ours(query, key, value, need_weights=need_weights, **masks)
+        out_b, _ = ours(query, key, value, need_weights=need_weights, **masks)
+        torch.testing.assert_close(out_a, expected, atol=ATOL, rtol=0)
+        assert torch.equal(out_a, out_b)
+        ours.train()
+        out_c, _ = ours(query, key, value, need_weights=need_weights, **masks)
+        out_d, _ = ours(query, key, value, need_weights=need_weights, **masks)
+        assert not torch.allclose(out_c, out_a) and not torch.allclose(out_c, out_d)
+
+
+def test_mha_dropout_matches_torch_in_training_with_same_seed():
+    """Both draw one dropout mask over the (B, H, L, S) weights, so the same seed drops the same."""
+    ours, ref = _pair(dropout=0.5)
+    ours.train()
+    ref.train()
+    query, key, value, masks = _inputs("both")
+    for need_weights in (False, True):
+        set_seed(7)
+        expected, expected_weights = ref(
+            query, key, value, need_weights=need_weights, average_attn_weights=False, **masks
+        )
+        set_seed(7)
+        out, weights = ours(query, key, value, need_weights=need_weights, **masks)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(weights, expected_weights, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_mha_parameter_count(bias):
+    ours, ref = _pair(bias=bias)
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == 4 * D * D + (4 * D if bias else 0)
+    assert count == sum(p.numel() for p in ref.parameters())
+
+
+# --- bad inputs say what is wrong ---------------------------------------------------------------
+
+
+def test_d_model_not_divisible_by_heads():
+    with pytest.raises(ValueError, match=r"d_model=10 must be divisible by n_heads=4.*\[1, 2, 5, 10\]"):
+        MultiHeadAttention(10, 4)
+
+
+@pytest.mark.parametrize("name", ["attn_mask", "key_padding_mask"])
+def test_float_mask_is_rejected(name):
+    q, k, v = _qkv()
+    mask = (_random_mask() if name == "attn_mask" else _key_padding()).float()
+    with pytest.raises(TypeError, match=f"{name} must be a bool tensor with True = blocked"):
+        scaled_dot_product_attention(q, k, v, **{name: mask})
+    ours, _ = _pair()
+    query, key, value, _ = _inputs("cross")
+    for need_weights in (False, True):
+        with pytest.raises(TypeError, match=f"{name} must be a bool tensor"):
+            ours(query, key, value, need_weights=need_weights, **{name: mask})
+
+
+def test_wrong_mask_shape_is_rejected():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"attn_mask has shape \(7, 5\); expected \(L, S\) = \(5, 7\)"):
+        scaled_dot_product_attention(q, k, v, attn_mask=_random_mask().T)
+    with pytest.raises(ValueError, match=r"key_padding_mask has shape \(2, 5\); expected \(B, S\) = \(2, 7\)"):
+        scaled_dot_product_attention(q, k, v, key_padding_mask=torch.zeros(B, L, dtype=torch.bool))
+
+
+def test_wrong_input_shapes_are_rejected():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="q, k, v must all be"):
+        scaled_dot_product_attention(q, k[0], v)
+    ours, _ = _pair()
+    with pytest.raises(ValueError, match=r"expected batch-first \(B, L, 12\) inputs"):
+        ours(torch.randn(L, D), torch.randn(S, D), torch.randn(S, D))
