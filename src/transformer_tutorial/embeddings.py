@@ -15,7 +15,8 @@ class TokenEmbedding(nn.Module):
     """A lookup table of ``vocab_size`` vectors of width ``d_model``, scaled by √d_model.
 
     The scale (section 3.4 of the paper) lifts embeddings initialised with standard deviation
-    ``d_model ** -0.5`` to unit size, the size of the positional encodings added to them.
+    ``d_model ** -0.5`` to entries of size about 1, like those of the positional encodings added
+    to them (chapter 1 measures this).
 
     Args:
         vocab_size: V, the number of token ids.
