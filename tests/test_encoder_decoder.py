@@ -6,17 +6,18 @@ import torch
 from torch import nn
 
 import transformer_tutorial.layers as layers
+from transformer_tutorial.attention import MultiHeadAttention
 from transformer_tutorial.layers import DecoderLayer, EncoderLayer
 from transformer_tutorial.masks import causal_mask
-from transformer_tutorial.model import Decoder, Encoder
+from transformer_tutorial.model import Decoder, Encoder, Transformer, TransformerConfig
 from transformer_tutorial.reference import (
     copy_decoder,
     copy_decoder_layer,
     copy_encoder,
     copy_encoder_layer,
     copy_mha,
+    copy_transformer,
 )
-from transformer_tutorial.attention import MultiHeadAttention
 
 B, S, T, D, H, D_FF, N = 3, 7, 6, 16, 4, 32, 3
 ATOL = 1e-5
@@ -194,3 +195,25 @@ def test_copy_refuses_mismatched_settings():
     ref = nn.Transformer(D, H, N, N, D_FF, 0.0, batch_first=True).encoder
     with pytest.raises(ValueError, match="final LayerNorm"):
         copy_encoder(Encoder(N, D, H, D_FF, 0.0), ref)
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_copy_transformer_copies_both_stacks(data, norm_first):
+    src, tgt, src_pad, tgt_pad = data
+    torch.manual_seed(0)
+    ref = nn.Transformer(D, H, N, N, D_FF, 0.0, batch_first=True, norm_first=norm_first).eval()
+    ref.encoder.use_nested_tensor = False  # keep the memory's padded rows computed, as ours are
+    if not norm_first:  # the paper's post-norm stacks end without a LayerNorm
+        ref.encoder.norm = None
+        ref.decoder.norm = None
+    config = TransformerConfig(src_vocab_size=11, tgt_vocab_size=11, d_model=D, n_heads=H, n_encoder_layers=N,
+                               n_decoder_layers=N, d_ff=D_FF, dropout=0.0, norm_first=norm_first)
+    ours = Transformer(config).eval()
+    copy_transformer(ours, ref)
+    with torch.no_grad():
+        memory = ours.encoder(src, src_key_padding_mask=src_pad)
+        out = ours.decoder(tgt, memory, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+        expected = ref(src, tgt, tgt_mask=causal_mask(T), src_key_padding_mask=src_pad,
+                       tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
