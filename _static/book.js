@@ -12,3 +12,37 @@ document.addEventListener("DOMContentLoaded", () => {
     }
   }
 });
+
+// A figure drawn wider than the text column is shown shrunk: click it (or Enter) to see it at
+// full size over the page; a click anywhere or Escape closes it.
+window.addEventListener("load", () => {
+  for (const img of document.querySelectorAll(".bd-content div.cell_output img")) {
+    if (img.naturalWidth > 1.15 * img.clientWidth) {
+      img.classList.add("book-zoomable");
+      img.title = "Click to enlarge";
+      img.tabIndex = 0;
+      img.setAttribute("role", "button");
+      img.addEventListener("click", () => enlarge(img));
+      img.addEventListener("keydown", (event) => event.key === "Enter" && enlarge(img));
+    }
+  }
+});
+
+function enlarge(img) {
+  const overlay = document.createElement("div");
+  overlay.className = "book-zoom";
+  const big = document.createElement("img");
+  big.className = "book-zoom-image";
+  big.src = img.currentSrc || img.src;
+  big.alt = img.alt;
+  overlay.append(big);
+  const close = () => {
+    overlay.remove();
+    document.removeEventListener("keydown", onKey);
+    img.focus();
+  };
+  const onKey = (event) => event.key === "Escape" && close();
+  overlay.addEventListener("click", close);
+  document.addEventListener("keydown", onKey);
+  document.body.append(overlay);
+}

@@ -43,6 +43,8 @@ CHROMIUM = os.environ.get("CHROMIUM_PATH") or shutil.which("chromium") or "/usr/
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
 VIEWPORT = {"width": 1280, "height": 900}
+LOAD_AHEAD = 3  # pages loading in the background while one is read: keeps both CPU cores busy
+PAGE_TIMEOUT_MS = 120_000  # generous: the machine may be shared
 PAGES = toc_files()
 CHAPTERS = [p for p in PAGES if (ROOT / f"{p}.ipynb").exists()]
 FIGURE_TYPES = ("image/png", "image/jpeg", "image/svg+xml")
@@ -139,6 +141,7 @@ class Visit:
     console_errors: list[str] = field(default_factory=list)
     light: dict = field(default_factory=dict)
     dark: dict = field(default_factory=dict)
+    enlarged: bool | None = None  # the first shrunk figure opened at full size on a click, and closed
 
 
 # Run in the page once it has loaded: wait for images, MathJax and fonts, then read the DOM.
@@ -157,15 +160,24 @@ async () => {
     theme: document.documentElement.dataset.theme,
     images: Array.from(document.images, (img) => ({
       src: img.getAttribute("src"), loaded: img.complete && img.naturalWidth > 0,
-      output: img.closest("div.cell_output") !== null,
+      output: img.closest("div.cell_output") !== null, zoomable: img.classList.contains("book-zoomable"),
+      shrunk: img.naturalWidth > 1.15 * img.clientWidth,
       background: getComputedStyle(img).backgroundColor, filter: getComputedStyle(img).filter,
     })),
     math: Array.from(document.querySelectorAll("article .math"), (el) => ({
       tex: el.textContent.slice(0, 80), typeset: el.querySelector("mjx-container") !== null,
     })),
     mathContainers: document.querySelectorAll("mjx-container").length,
-    mathErrors: Array.from(document.querySelectorAll("mjx-merror, mjx-mtext[style*='color: red']"),
-                           (el) => el.getAttribute("data-mjx-error") || el.textContent),
+    // TeX that MathJax could not read: an error node, or an undefined macro (shown as red text).
+    mathErrors: window.MathJax && MathJax.startup && MathJax.startup.document
+      ? Array.from(MathJax.startup.document.math).filter((item) => {
+          let bad = false;
+          item.root.walkTree((node) => {
+            bad ||= node.isKind("merror") || (node.isKind("mtext") && node.attributes.get("mathcolor") === "red");
+          });
+          return bad;
+        }).map((item) => item.math)
+      : [],
     mathjax: window.MathJax && MathJax.version ? {
       version: MathJax.version, processHtmlClass: String(MathJax.config.options.processHtmlClass),
     } : null,
@@ -195,8 +207,12 @@ def _switch_theme(page, theme: str) -> None:
     assert page.evaluate("document.documentElement.dataset.theme") == theme, f"the theme switch never gave {theme}"
 
 
-def _visit(context, url: str, name: str) -> Visit:
+def _start(browser, url: str) -> tuple[Visit, object]:
+    """Open ``url`` in a fresh context (its own storage: the page starts in the default mode) and
+    return as soon as the navigation has started, so that pages load side by side."""
     visit = Visit()
+    context = browser.new_context(viewport=VIEWPORT, color_scheme="light")
+    context.set_default_timeout(PAGE_TIMEOUT_MS)
     page = context.new_page()
     page.on("request", lambda request: visit.requests.append(request.url))
     page.on("response", lambda response: response.status >= 400
@@ -205,35 +221,43 @@ def _visit(context, url: str, name: str) -> Visit:
     page.on("console", lambda message: message.type == "error"
             and visit.console_errors.append(f"{message.text} ({message.location.get('url', '')})"))
     page.on("pageerror", lambda error: visit.console_errors.append(f"uncaught: {error}"))
-    page.goto(url, wait_until="load")
+    page.goto(url, wait_until="commit")
+    return visit, page
+
+
+def _finish(visit: Visit, page, name: str) -> Visit:
+    """Read the loaded page in light mode, switch it to dark with the theme's button, read it again."""
+    page.wait_for_load_state("load")
     _switch_theme(page, "light")
     visit.light = page.evaluate(INSPECT_JS)
     page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+    zoomable = page.query_selector("div.cell_output img.book-zoomable")
+    if zoomable:
+        zoomable.click()
+        opened = page.evaluate("() => document.querySelector('.book-zoom img')?.naturalWidth > 0")
+        page.keyboard.press("Escape")
+        visit.enlarged = opened and page.query_selector(".book-zoom") is None
     _switch_theme(page, "dark")
     visit.dark = page.evaluate(INSPECT_JS)
     # Dark mode, one screen: around the first figure (or the diagram), else the top of the page.
     page.evaluate("""() => { const f = document.querySelector("div.cell_output img, svg.arch");
                              window.scrollTo(0, f ? f.getBoundingClientRect().top + scrollY - 200 : 0); }""")
     page.screenshot(path=str(SCREENSHOTS / "dark" / f"{name}.png"))
-    page.evaluate("localStorage.clear()")  # the next page starts from the default mode again
-    page.close()
+    page.context.close()
     return visit
 
 
 @pytest.fixture(scope="module")
-def visits(browser, base_url):
-    """``visits(page)``: the page's Visit, opened once for the whole module."""
+def visits(browser, base_url) -> dict[str, Visit]:
+    """Every page of the TOC, visited once: up to LOAD_AHEAD more pages load while one is read."""
     (SCREENSHOTS / "dark").mkdir(parents=True, exist_ok=True)
-    context = browser.new_context(viewport=VIEWPORT, color_scheme="light")
-    cache = {}
-
-    def visit(page: str) -> Visit:
-        if page not in cache:
-            cache[page] = _visit(context, f"{base_url}{page}.html", Path(page).name)
-        return cache[page]
-
-    yield visit
-    context.close()
+    started, done = {}, {}
+    for i, page in enumerate(PAGES):
+        for ahead in PAGES[i : i + LOAD_AHEAD + 1]:
+            if ahead not in started and ahead not in done:
+                started[ahead] = _start(browser, f"{base_url}{ahead}.html")
+        done[page] = _finish(*started.pop(page), Path(page).name)
+    return done
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +266,7 @@ def visits(browser, base_url):
 
 @pytest.mark.parametrize("page", PAGES, ids=_ids)
 def test_page_loads_only_from_this_site_without_errors(visits, base_url, page):
-    visit = visits(page)
+    visit = visits[page]
     elsewhere = [u for u in visit.requests if not u.startswith((base_url, "data:", "blob:"))]
     assert not elsewhere, f"requests to another host (the site must work offline): {elsewhere}"
     assert not visit.bad_responses, f"resources that failed to load: {visit.bad_responses}"
@@ -260,7 +284,7 @@ def _stored_figures(page: str) -> int:
 
 @pytest.mark.parametrize("page", PAGES, ids=_ids)
 def test_every_image_and_stored_figure_shows(visits, page):
-    images = visits(page).light["images"]
+    images = visits[page].light["images"]
     broken = [img["src"] for img in images if not img["loaded"]]
     assert not broken, f"images that did not load: {broken}"
     if page in CHAPTERS:
@@ -268,12 +292,22 @@ def test_every_image_and_stored_figure_shows(visits, page):
         assert shown >= stored, f"the notebook stores {stored} figures, the page shows {shown}"
 
 
+@pytest.mark.parametrize("page", CHAPTERS, ids=_ids)
+def test_shrunk_figures_enlarge_on_click(visits, page):
+    visit = visits[page]
+    figures = [img for img in visit.light["images"] if img["output"]]
+    stuck = [img["src"] for img in figures if img["shrunk"] and not img["zoomable"]]
+    assert not stuck, f"figures shown shrunk that a click does not enlarge: {stuck}"
+    if any(img["zoomable"] for img in figures):
+        assert visit.enlarged, "clicking a shrunk figure did not show it at full size (or Escape did not close it)"
+
+
 RAW_TEX = re.compile(r"\$\$|\\[()\[\]]|(?<![\w$])\$[^\s$][^$\n]*\$|\\[a-zA-Z]{2,}")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_ids)
 def test_every_formula_is_typeset(visits, page):
-    dom = visits(page).light
+    dom = visits[page].light
     untypeset = [m["tex"] for m in dom["math"] if not m["typeset"]]
     assert not untypeset, f"formulas MathJax did not typeset: {untypeset}"
     assert dom["mathContainers"] >= len(dom["math"])
@@ -293,7 +327,7 @@ def _anchors(path: Path) -> frozenset[str]:
 @pytest.mark.parametrize("page", PAGES, ids=_ids)
 def test_internal_links_resolve(visits, base_url, page):
     broken = []
-    for link in sorted(set(visits(page).light["links"])):
+    for link in sorted(set(visits[page].light["links"])):
         if not link.startswith(base_url):
             continue  # another site (GitHub, Colab, a paper): not reachable from here
         parts = urlsplit(link)
@@ -310,7 +344,7 @@ def test_internal_links_resolve(visits, base_url, page):
 @pytest.mark.parametrize("page", CHAPTERS, ids=_ids)
 def test_chapter_opens_in_colab_on_itself(visits, page):
     expected = colab_url(ROOT / f"{page}.ipynb")
-    colab = visits(page).light["colab"]
+    colab = visits[page].light["colab"]
     assert any(a["badge"] for a in colab), "no Open in Colab badge on the page"
     assert any(a["launch"] for a in colab), "no Colab launch button in the header"
     wrong = {a["href"] for a in colab} - {expected}
@@ -319,7 +353,7 @@ def test_chapter_opens_in_colab_on_itself(visits, page):
 
 @pytest.mark.parametrize("page", PAGES, ids=_ids)
 def test_download_button_gives_the_source(visits, base_url, page):
-    downloads = visits(page).light["downloads"]
+    downloads = visits[page].light["downloads"]
     assert downloads, "no download button"
     suffix = ".ipynb" if page in CHAPTERS else ".md"
     assert downloads == [f"{base_url}_sources/{page}{suffix}"]
@@ -330,7 +364,7 @@ def test_download_button_gives_the_source(visits, base_url, page):
 
 @pytest.mark.parametrize("page", CHAPTERS, ids=_ids)
 def test_chapter_states_prerequisites_and_what_it_adds(visits, page):
-    text = visits(page).light["prose"]
+    text = visits[page].light["prose"]
     for words in ("Prerequisites", "Adds to the package"):
         assert words in text, f"the chapter's introduction should say **{words}:**"
 
@@ -350,7 +384,7 @@ def _contrast(a: str, b: str) -> float:
 
 @pytest.mark.parametrize("page", PAGES, ids=_ids)
 def test_dark_mode_keeps_figures_legible(visits, page):
-    dom = visits(page).dark
+    dom = visits[page].dark
     assert dom["theme"] == "dark"
     for img in dom["images"]:
         if img["output"]:
@@ -362,7 +396,7 @@ def test_dark_mode_keeps_figures_legible(visits, page):
 
 
 def test_landing_page_links_every_published_chapter(visits, base_url):
-    dom = visits(PAGES[0]).light
+    dom = visits[PAGES[0]].light
     boxes = dom["diagram"]
     assert boxes, "the landing page lost its architecture diagram"
     for box in boxes:
@@ -382,7 +416,7 @@ def test_built_pages_name_no_cdn():
     if _site_is_stale():
         _build_site()
     found = {}
-    for page in sorted(HTML.rglob("*.html")):
+    for page in [HTML / f"{p}.html" for p in PAGES] + [HTML / "search.html", HTML / "genindex.html"]:
         text = page.read_text(encoding="utf-8")
         hits = sorted({host for host in CDN_HOSTS if host in text})
         hits += re.findall(r"<(?:script|link|img|iframe|source)\b[^>]*\b(?:src|href)=\"(https?://[^\"]+)\"", text)
