@@ -121,7 +121,8 @@ def beam_search(
         pool = torch.cat([best, new_scores], dim=1)  # (B, K + N)
         best, keep = pool.topk(K, dim=-1)
         best_tokens = torch.cat([best_tokens, new_tokens], dim=1).gather(1, keep[:, :, None].expand(-1, -1, max_len))
-        best_lengths = torch.cat([best_lengths, torch.full_like(new_scores, length, dtype=torch.long)], dim=1).gather(1, keep)
+        new_lengths = torch.full_like(new_scores, length, dtype=torch.long)
+        best_lengths = torch.cat([best_lengths, new_lengths], dim=1).gather(1, keep)
 
         # 2) live on: the best K candidates that did not end
         alive, pick = torch.where(ends, float("-inf"), top).topk(K, dim=-1)  # (B, K)
@@ -164,6 +165,8 @@ def translate(
     source in the batch, within the model's ``max_len``. Greedy search for ``beam_size=1``.
     """
     limit = model.config.max_len
+    if max_len is not None and not 1 <= max_len <= limit:
+        raise ValueError(f"max_len={max_len} must be between 1 and the model's max_len={limit}")
     ids = [e.ids for e in tokenizer.encode_batch(list(sentences))]
     for i, x in enumerate(ids):
         if not x:

@@ -331,7 +331,13 @@ def load_model(path: Path | str, device: torch.device | str = "cpu") -> tuple[Tr
     beside the checkpoint) or None, and the checkpoint's other entries."""
     path = Path(path)
     checkpoint = torch.load(path, map_location=device, weights_only=True)
-    model = Transformer(TransformerConfig(**checkpoint["model_config"])).to(device)
+    if not isinstance(checkpoint, dict) or not {"model", "model_config"} <= set(checkpoint):
+        raise ValueError("not a checkpoint written by transformer_tutorial.train (no model or model_config)")
+    try:
+        config = TransformerConfig(**checkpoint["model_config"])
+    except TypeError as err:
+        raise ValueError(f"unknown model config {checkpoint['model_config']}: {err}") from None
+    model = Transformer(config).to(device)
     model.load_state_dict(checkpoint["model"])
     tokenizer = load_tokenizer(path.parent / checkpoint["tokenizer"]) if checkpoint.get("tokenizer") else None
     return model.eval(), tokenizer, checkpoint
@@ -449,15 +455,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop training after this many minutes, then checkpoint and evaluate")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop when this many optimizer steps have been taken in all (resumed runs included)")
-    parser.add_argument("--epochs", type=int, default=None, help="train at most this many epochs; default: the config's")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="train at most this many epochs; default: the config's")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out from its last.pt, exactly where it stopped")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps…; default: the best available")
-    parser.add_argument("--seed", type=int, default=0, help="seed for initialisation, dropout and batch order; default: 0")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for initialisation, dropout and batch order; default: %(default)s")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch; default: PyTorch's choice")
     parser.add_argument("--eval-size", type=int, default=None,
-                        help="score BLEU on the first N test sentences only; default: the config's (all for small/base)")
-    parser.add_argument("--beam", type=int, default=None, help="beam size for the BLEU evaluation; default: the config's")
+                        help="score BLEU on the first N test sentences only; default: the config's "
+                             "(all for small and base)")
+    parser.add_argument("--beam", type=int, default=None,
+                        help="beam size for the BLEU evaluation; default: the config's")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs and CI)")
     return parser
 
@@ -483,10 +493,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {out_dir} holds a {saved['name']!r} run, not {config.name!r}", file=sys.stderr)
             return 1
     device = get_device(args.device)
+    command = [sys.executable, "-m", "transformer_tutorial.train", *(sys.argv[1:] if argv is None else argv)]
     try:
         record = run(config, out_dir=out_dir, device=device, seed=args.seed, resume=args.resume,
                      max_steps=args.max_steps, max_minutes=args.max_minutes, progress=not args.no_progress,
-                     command=[sys.executable, "-m", "transformer_tutorial.train", *(sys.argv[1:] if argv is None else argv)])
+                     command=command)
     except DatasetUnavailableError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
