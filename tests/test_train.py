@@ -55,9 +55,11 @@ def test_peak_times_multiplier_is_the_papers_schedule_in_lambdalr():
 
 def test_small_config_is_the_cpu_reference():
     small = CONFIGS["small"]
-    assert (small.d_model, small.n_encoder_layers, small.n_decoder_layers, small.n_heads, small.d_ff) == (256, 3, 3, 8, 1024)
+    layers = (small.n_encoder_layers, small.n_decoder_layers)
+    assert (small.d_model, layers, small.n_heads, small.d_ff) == (256, (3, 3), 8, 1024)
     assert (small.dropout, small.norm_first, small.vocab_size, small.share_embeddings) == (0.1, True, 8000, True)
-    assert (small.max_tokens, small.lr, small.warmup, small.label_smoothing, small.clip_norm) == (4000, 1e-3, 800, 0.1, 1.0)
+    schedule = (small.max_tokens, small.lr, small.warmup, small.label_smoothing, small.clip_norm)
+    assert schedule == (4000, 1e-3, 800, 0.1, 1.0)
     model = Transformer(small.model_config(8000))
     assert model.generator.weight is model.src_embed.weight is model.tgt_embed.weight
     assert 7.5e6 < sum(p.numel() for p in model.parameters()) < 7.7e6

@@ -287,7 +287,8 @@ def token_batches(
     if generator is None:
         order = sorted(range(n), key=lambda i: lengths[i]) if bucket else list(range(n))
     elif bucket:
-        keys = torch.tensor(lengths, dtype=torch.float64) + noise * torch.rand(n, generator=generator, dtype=torch.float64)
+        jitter = noise * torch.rand(n, generator=generator, dtype=torch.float64)
+        keys = torch.tensor(lengths, dtype=torch.float64) + jitter
         order = keys.argsort(stable=True).tolist()
     else:
         order = torch.randperm(n, generator=generator).tolist()

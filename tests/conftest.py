@@ -1,0 +1,30 @@
+"""Shared test setup: where the verified Multi30k copy is.
+
+Tests that need the corpus read ``MULTI30K_DIR`` (CI sets it). When it is unset and the
+project's shared read-only copy ``../shared/data/multi30k`` exists beside the repository, that
+copy is used; otherwise those tests are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED_COPY = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
+
+@pytest.fixture(scope="session", autouse=True)
+def default_multi30k_dir() -> None:
+    """Point MULTI30K_DIR at the shared copy, only if it is unset and the copy exists."""
+    if not os.environ.get("MULTI30K_DIR") and SHARED_COPY.is_dir():
+        os.environ["MULTI30K_DIR"] = str(SHARED_COPY)
+
+
+@pytest.fixture(scope="session")
+def multi30k_dir(default_multi30k_dir: None) -> Path:
+    """The folder holding the six verified Multi30k files, or skip."""
+    if not os.environ.get("MULTI30K_DIR"):
+        pytest.skip(f"Multi30k not available: set MULTI30K_DIR to a folder with the verified files "
+                    f"(none found at {SHARED_COPY})")
+    return Path(os.environ["MULTI30K_DIR"])
