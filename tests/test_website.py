@@ -158,6 +158,7 @@ async () => {
   const rgb = (el, prop) => getComputedStyle(el)[prop];
   return {
     theme: document.documentElement.dataset.theme,
+    overflow: document.documentElement.scrollWidth - window.innerWidth,
     images: Array.from(document.images, (img) => ({
       src: img.getAttribute("src"), loaded: img.complete && img.naturalWidth > 0,
       output: img.closest("div.cell_output") !== null, zoomable: img.classList.contains("book-zoomable"),
@@ -276,6 +277,12 @@ def test_page_loads_only_from_this_site_without_errors(visits, base_url, page):
     assert not elsewhere, f"requests to another host (the site must work offline): {elsewhere}"
     assert not visit.bad_responses, f"resources that failed to load: {visit.bad_responses}"
     assert not visit.console_errors, f"console errors: {visit.console_errors}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_ids)
+def test_page_fits_the_window(visits, page):
+    overflow = visits[page].light["overflow"]
+    assert overflow <= 0, f"the page is {overflow}px wider than a {VIEWPORT['width']}px window"
 
 
 def _stored_figures(page: str) -> int:
