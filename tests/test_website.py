@@ -2,11 +2,14 @@
 
 The built site (``_build/html``, rebuilt here first when it is missing or older than its sources)
 is served on 127.0.0.1 and every page is opened in one browser, read in light mode, then switched
-to dark mode with the theme's own button and read again. Each page must load only from 127.0.0.1, log no console error, show every image and every stored
-figure, have every formula typeset by the vendored MathJax, link only to pages and anchors that
-exist, and on a chapter, open Colab on that very chapter. For a person to look at, it saves a
-full-page screenshot of every page under ``_build/screenshots/``, and in ``dark/`` there one screen
-of it in dark mode, around its first figure.
+to dark mode with the theme's own button and read again. Each page must load only from
+127.0.0.1, log no console error, fit the window, show every image and every stored figure (a
+shrunk one enlarging on a click, on white in dark mode), have every formula typeset by the
+vendored MathJax, link only to pages and anchors that exist, and offer its source for download; a
+chapter must open Colab on itself and state its prerequisites and what it adds to the package;
+the landing page's diagram must link every published chapter. For a person to look at, it saves a
+full-page screenshot of every page under ``_build/screenshots/``, and in ``dark/`` one screen of
+it in dark mode, around its first figure.
 
 Chromium is the system's (``apt-get install chromium``; another binary via ``CHROMIUM_PATH``),
 driven by Playwright. Without one these tests skip, except when ``REQUIRE_BROWSER=1`` (CI sets it):
