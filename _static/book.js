@@ -46,3 +46,19 @@ function enlarge(img) {
   document.addEventListener("keydown", onKey);
   document.body.append(overlay);
 }
+
+// sphinx-book-theme 1.3 and pydata-sphinx-theme 0.17 give a click handler only to the first
+// .primary-toggle / .secondary-toggle of a page: the one in pydata's header bar, which book.css
+// hides. The buttons readers see, in the article header, pass their click on to it, so that they
+// collapse the sidebar on a wide screen and open it as a drawer on a small one.
+document.addEventListener("DOMContentLoaded", () => {
+  for (const selector of [".primary-toggle", ".secondary-toggle"]) {
+    const [handled, ...others] = document.querySelectorAll(selector);
+    for (const button of others) {
+      button.addEventListener("click", (event) => {
+        event.preventDefault();
+        handled.click();
+      });
+    }
+  }
+});

@@ -46,6 +46,7 @@ CHROMIUM = os.environ.get("CHROMIUM_PATH") or shutil.which("chromium") or "/usr/
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
 VIEWPORT = {"width": 1280, "height": 900}
+PHONE = {"width": 400, "height": 800}
 LOAD_AHEAD = 3  # pages loading in the background while one is read: keeps both CPU cores busy
 PAGE_TIMEOUT_MS = 120_000  # generous: the machine may be shared
 PAGES = toc_files()
@@ -145,6 +146,7 @@ class Visit:
     light: dict = field(default_factory=dict)
     dark: dict = field(default_factory=dict)
     enlarged: bool | None = None  # the first shrunk figure opened at full size on a click, and closed
+    phone_overflow: int = 0  # how much wider than a phone's window the page is
 
 
 # Run in the page once it has loaded: wait for images, MathJax and fonts, then read the DOM.
@@ -248,6 +250,8 @@ def _finish(visit: Visit, page, name: str) -> Visit:
     page.evaluate("""() => { const f = document.querySelector("div.cell_output img, svg.arch");
                              window.scrollTo(0, f ? f.getBoundingClientRect().top + scrollY - 200 : 0); }""")
     page.screenshot(path=str(SCREENSHOTS / "dark" / f"{name}.png"))
+    page.set_viewport_size(PHONE)
+    visit.phone_overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
     page.context.close()
     return visit
 
@@ -286,6 +290,8 @@ def test_page_loads_only_from_this_site_without_errors(visits, base_url, page):
 def test_page_fits_the_window(visits, page):
     overflow = visits[page].light["overflow"]
     assert overflow <= 0, f"the page is {overflow}px wider than a {VIEWPORT['width']}px window"
+    overflow = visits[page].phone_overflow
+    assert overflow <= 0, f"the page is {overflow}px wider than a phone's {PHONE['width']}px window"
 
 
 def _stored_figures(page: str) -> int:
@@ -425,6 +431,25 @@ def test_landing_page_links_every_published_chapter(visits, base_url):
         assert chapter in in_diagram, f"{chapter} has no box in intro.md's diagram"
         assert f"{base_url}{chapter}.html" in links, (
             f"intro.md's table should link {chapter}: write its row as [N. Title]({chapter}.ipynb)")
+
+
+def test_sidebar_buttons_open_the_navigation(browser, base_url):
+    """The article header's buttons collapse the sidebar on a wide screen and open the navigation
+    and the page's contents as drawers on a phone (book.js passes their clicks on to the theme)."""
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    page.goto(f"{base_url}{(CHAPTERS or PAGES)[0]}.html", wait_until="load")
+    collapsed = "document.querySelector('#pst-primary-sidebar').classList.contains('pst-sidebar-hidden')"
+    page.click(".bd-header-article .primary-toggle")
+    assert page.evaluate(collapsed), "the sidebar button does not collapse the sidebar"
+    page.click(".bd-header-article .primary-toggle")
+    assert not page.evaluate(collapsed), "the sidebar button does not bring the sidebar back"
+    page.set_viewport_size(PHONE)
+    for side in ("primary", "secondary"):
+        page.click(f".bd-header-article .{side}-toggle")
+        assert page.evaluate(f"document.querySelector('#pst-{side}-sidebar-modal').open"), f"the {side} sidebar does not open on a phone"
+        page.keyboard.press("Escape")
+    context.close()
 
 
 def test_built_pages_name_no_cdn():
