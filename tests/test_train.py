@@ -107,6 +107,8 @@ def test_checkpoints_history_and_time_budget(tmp_path):
     last = torch.load(tmp_path / "last.pt", weights_only=True)
     assert {"model", "model_config", "train_config", "optimizer", "scheduler", "state", "rng", "tokenizer"} <= set(last)
     assert {"torch", "python", "cuda"} <= set(last["rng"]) and "epoch_start" in last["state"]
+    _, state = train(tmp_path, resume=True, max_steps=1)
+    assert state["step"] == 1 and state["stopped_by"] == "max_steps"
     model, state = train(tmp_path, resume=True)
     assert state["stopped_by"] == "epochs" and state["epoch"] == CONFIG.epochs
     history = state["history"]

@@ -247,12 +247,12 @@ def fit(
 
     def checkpoint() -> dict:
         return {"model": model.state_dict(), "model_config": asdict(model.config), "train_config": asdict(config),
-                "tokenizer": tokenizer_file, "step": state["step"], "epoch": state["epoch"]}
+                "tokenizer": tokenizer_file, "step": state["step"], "epochs_completed": state["epoch"]}
 
     def validate() -> float:
         val_loss = evaluate_loss(model, val_pairs, max_tokens=config.max_tokens,
                                  label_smoothing=config.label_smoothing, device=device)
-        history["val"].append({"step": state["step"], "epoch": state["epoch"], "val_loss": val_loss,
+        history["val"].append({"step": state["step"], "epoch": state["epoch"] + 1, "val_loss": val_loss,
                                "elapsed_s": round(elapsed(), 1)})
         if val_loss < state["best_val_loss"]:
             state["best_val_loss"] = val_loss
@@ -265,7 +265,7 @@ def fit(
                "state": state, "rng": _rng_states()}, out_dir / "last.pt")
 
     model.train()
-    stopped_by = "epochs"
+    stopped_by = "max_steps" if max_steps is not None and state["step"] >= max_steps else "epochs"
     while state["epoch"] < config.epochs and stopped_by == "epochs":
         batch_order.set_state(state["epoch_start"])
         batches = token_batches(lengths, config.max_tokens, generator=batch_order)
@@ -285,13 +285,14 @@ def fit(
             state["step"] += 1
             state["batch_in_epoch"] += 1
             tokens = int((tgt_out != PAD_ID).sum())
+            loss_sum = loss.item() * tokens
             for sums in (state["window"], state["epoch_sums"]):
-                sums[0] += loss.item() * tokens
+                sums[0] += loss_sum
                 sums[1] += tokens
             bar.update()
             if state["step"] % config.log_every == 0:
                 train_loss = state["window"][0] / state["window"][1]
-                history["train"].append({"step": state["step"], "epoch": state["epoch"], "train_loss": train_loss,
+                history["train"].append({"step": state["step"], "epoch": state["epoch"] + 1, "train_loss": train_loss,
                                          "lr": schedule.get_last_lr()[0], "elapsed_s": round(elapsed(), 1)})
                 state["window"] = [0.0, 0]
                 bar.set_postfix(loss=f"{train_loss:.3f}")
