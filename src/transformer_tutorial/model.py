@@ -208,10 +208,12 @@ class Transformer(nn.Module):
             self.generator.weight = self.tgt_embed.weight
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform for every matrix, as the paper's reference code; zero biases.
+        """Xavier-uniform for every matrix and zero biases; LayerNorm gains are left as they are.
 
-        Xavier keeps the shared embedding small (std ≈ √(2 / (V + D))), so tied output logits
-        start near zero instead of the huge values ``nn.Embedding``'s N(0, 1) would give.
+        The paper's reference code (tensor2tensor) draws its layers' matrices from the same
+        Xavier-uniform range, but its embedding table from N(0, 1/D). Xavier keeps the shared
+        embedding small (std ≈ √(2 / (V + D))), so tied output logits start near zero instead of
+        the huge values ``nn.Embedding``'s N(0, 1) would give.
         """
         for name, p in self.named_parameters():
             if p.dim() > 1:
