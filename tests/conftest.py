@@ -28,3 +28,15 @@ def multi30k_dir(default_multi30k_dir: None) -> Path:
         pytest.skip(f"Multi30k not available: set MULTI30K_DIR to a folder with the verified files "
                     f"(none found at {SHARED_COPY})")
     return Path(os.environ["MULTI30K_DIR"])
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One PyTorch thread for the tests that use it, restored afterwards: their models are tiny, and
+    on a busy shared CPU idle worker threads spinning at each parallel region only slow them down."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

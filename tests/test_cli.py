@@ -16,6 +16,8 @@ from transformer_tutorial import translate as translate_cli
 from transformer_tutorial.data import encode_pairs, save_tokenizer, train_tokenizer
 from transformer_tutorial.train import CONFIGS, fit
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def cli(module: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m transformer_tutorial.<module> args``, one thread: the runs are tiny, and

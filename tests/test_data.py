@@ -19,6 +19,8 @@ from transformer_tutorial.data import (
     BOS_ID, EOS_ID, PAD_ID, SPECIALS, UNK_ID, ChecksumMismatchError, DatasetUnavailableError, Vocab,
 )
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 FILES = sorted(data.expected_checksums())
 
 

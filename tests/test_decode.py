@@ -12,6 +12,8 @@ from torch import nn
 from transformer_tutorial.decode import beam_search, bleu, greedy_decode, length_penalty, strip_eos, translate
 from transformer_tutorial.model import Transformer, TransformerConfig
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 PAD, BOS, EOS = 0, 1, 2
 IDS = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD)
 

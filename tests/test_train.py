@@ -15,6 +15,8 @@ from transformer_tutorial.train import (
     CONFIGS, fit, label_smoothing_loss, load_model, make_optimizer, paper_peak_lr, warmup_inverse_sqrt,
 )
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
 def test_label_smoothing_loss_equals_pytorch(smoothing):
