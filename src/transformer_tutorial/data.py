@@ -52,16 +52,20 @@ class ChecksumMismatchError(DatasetUnavailableError):
 # --- Files: where they live, how they are fetched and checked -------------------------------
 
 
+def cache_dir() -> Path:
+    """The book's cache folder, for the corpus and trained runs: ``$TRANSFORMER_TUTORIAL_CACHE``,
+    else ``transformer_tutorial`` in the user cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``)."""
+    if os.environ.get("TRANSFORMER_TUTORIAL_CACHE"):
+        return Path(os.environ["TRANSFORMER_TUTORIAL_CACHE"]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser() / "transformer_tutorial"
+
+
 def data_dir() -> Path:
-    """The Multi30k folder: ``$MULTI30K_DIR``, else ``$TRANSFORMER_TUTORIAL_CACHE/multi30k``,
-    else ``transformer_tutorial/multi30k`` in the user cache folder (``$XDG_CACHE_HOME`` or
-    ``~/.cache``)."""
+    """The Multi30k folder: ``$MULTI30K_DIR``, else ``multi30k`` in :func:`cache_dir`."""
     if os.environ.get("MULTI30K_DIR"):
         return Path(os.environ["MULTI30K_DIR"]).expanduser()
-    if os.environ.get("TRANSFORMER_TUTORIAL_CACHE"):
-        return Path(os.environ["TRANSFORMER_TUTORIAL_CACHE"]).expanduser() / "multi30k"
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache).expanduser() / "transformer_tutorial" / "multi30k"
+    return cache_dir() / "multi30k"
 
 
 def expected_checksums() -> dict[str, str]:

@@ -30,12 +30,14 @@ def greedy_decode(
     eos_id: int,
     pad_id: int,
     use_cache: bool = True,
+    min_len: int = 0,
 ) -> Tensor:
     """Pick the most likely next token, one step at a time, for the whole batch at once.
 
     With ``use_cache`` each step feeds only the newest token through :meth:`decode_step` and
     reuses the keys and values of earlier positions; without it each step runs :meth:`decode`
-    over the whole prefix again. Both give the same tokens.
+    over the whole prefix again. Both give the same tokens. ``<eos>`` cannot be chosen before
+    ``min_len`` tokens; ``min_len=max_len`` generates exactly ``max_len`` tokens (for timing).
 
     Shapes:
         src ``(B, S)`` → ``(B, L)``, ``L ≤ max_len``.
@@ -45,14 +47,18 @@ def greedy_decode(
     ys = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # (B, 1)
     finished = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
     cache = model.init_cache(memory, src_key_padding_mask) if use_cache else None
-    for _ in range(max_len):
+    for t in range(max_len):
         if use_cache:
             logits, cache = model.decode_step(ys[:, -1:], cache)  # (B, 1, V)
         else:
             # Nothing in a prefix is padding (finished rows are ignored), as in the cached path.
             logits = model.decode(ys, memory, memory_key_padding_mask=src_key_padding_mask,
                                   tgt_key_padding_mask=torch.zeros_like(ys, dtype=torch.bool))  # (B, t, V)
-        next_token = logits[:, -1].argmax(dim=-1).masked_fill(finished, pad_id)  # (B,)
+        scores = logits[:, -1]  # (B, V)
+        if t < min_len:  # too early to stop: <eos> is ruled out
+            scores = scores.clone()
+            scores[:, eos_id] = float("-inf")
+        next_token = scores.argmax(dim=-1).masked_fill(finished, pad_id)  # (B,)
         ys = torch.cat([ys, next_token[:, None]], dim=1)
         finished |= next_token == eos_id
         if finished.all():

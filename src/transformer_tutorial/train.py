@@ -1,4 +1,4 @@
-"""Chapter 11: training — label smoothing, the warm-up schedule, and a resumable training loop.
+"""Chapter 10: training — label smoothing, the warm-up schedule, and a resumable training loop.
 
 Command line::
 
@@ -6,6 +6,8 @@ Command line::
 
 writes ``tokenizer.json``, ``last.pt`` (everything needed to resume), ``best.pt`` (the weights
 with the lowest validation loss) and ``record.json`` (what was run, where, and how it went).
+The chapters keep their runs in the cache, ``runs_dir() / name``, and find them with
+:func:`find_checkpoint`.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import math
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -31,7 +35,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from transformer_tutorial.data import (
-    PAD_ID, DatasetUnavailableError, collate, encode_pairs, load_split, load_tokenizer, pair_lengths,
+    PAD_ID, DatasetUnavailableError, cache_dir, collate, encode_pairs, load_split, load_tokenizer, pair_lengths,
     save_tokenizer, token_batches, train_tokenizer,
 )
 from transformer_tutorial.decode import bleu, translate
@@ -130,6 +134,10 @@ CONFIGS = {
     "tiny": TrainConfig("tiny", vocab_size=500, d_model=32, n_heads=2, n_encoder_layers=2, n_decoder_layers=2,
                         d_ff=64, max_len=128, max_tokens=1000, lr=3e-3, warmup=20, epochs=2, log_every=5,
                         eval_every=20, checkpoint_every=20, train_size=2000, eval_size=50, beam_size=2),
+    # Chapter 10's own run on a CPU, two minutes: the recipe of small, narrower and shallower.
+    "chapter10": TrainConfig("chapter10", d_model=128, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=512,
+                             max_tokens=2000, lr=2e-3, warmup=100, log_every=10, eval_every=50,
+                             checkpoint_every=100, eval_size=200),
     # The CPU reference: the baseline's recipe (see translator-baseline.md), an hour on 2 cores.
     "small": TrainConfig("small"),
     # The paper's base model and schedule (Table 3, section 5.3), for a GPU.
@@ -239,11 +247,11 @@ def fit(
         _set_rng_states(saved["rng"])
     history = state["history"]
     lengths = pair_lengths(train_pairs)
-    started = time.monotonic()
+    started, seconds_before = time.monotonic(), state["train_seconds"]
     deadline = math.inf if max_minutes is None else started + 60 * max_minutes
 
     def elapsed() -> float:
-        return state["train_seconds"] + time.monotonic() - started
+        return seconds_before + time.monotonic() - started
 
     def checkpoint() -> dict:
         return {"model": model.state_dict(), "model_config": asdict(model.config), "train_config": asdict(config),
@@ -435,11 +443,64 @@ def run(
             "eval_time_s": round(time.monotonic() - eval_start, 1),
         },
         "samples": [{"source": s, "reference": r, "greedy": g, f"beam{config.beam_size}": b}
-                    for s, r, g, b in list(zip(test_src, test_tgt, greedy, beam))[:5]],
+                    for s, r, g, b in list(zip(test_src, test_tgt, greedy, beam))[:20]],
         "wall_time_s": round(time.monotonic() - wall_start, 1),
     }
     (out_dir / "record.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
     return record
+
+
+# --- Runs in the cache: the chapters' checkpoints and the reference record ------------------------
+
+RUN_PREFERENCE = ("base", "small", "chapter10")
+
+
+def runs_dir() -> Path:
+    """Where the chapters keep trained runs: ``runs`` in the book's cache folder
+    (:func:`transformer_tutorial.data.cache_dir`), one subfolder per run name."""
+    return cache_dir() / "runs"
+
+
+def find_checkpoint() -> Path | None:
+    """``best.pt`` of the best finished run in :func:`runs_dir`, or None.
+
+    Runs are preferred in the order of :data:`RUN_PREFERENCE`: ``base`` (the paper's model, on a
+    GPU), ``small`` (the reference recipe), ``chapter10`` (chapter 10's quick CPU run). A run is
+    finished once its folder holds ``best.pt``, ``tokenizer.json`` and ``record.json``.
+    """
+    for name in RUN_PREFERENCE:
+        folder = runs_dir() / name
+        if all((folder / f).is_file() for f in ("best.pt", "tokenizer.json", "record.json")):
+            return folder / "best.pt"
+    return None
+
+
+def train_for_chapter(*, device: torch.device | str | None = None, max_minutes: float | None = None,
+                      progress: bool = False) -> dict:
+    """Chapter 10's run (chapter 11 calls it too when :func:`find_checkpoint` finds nothing).
+
+    On a CUDA GPU the reference recipe ``small`` for ``max_minutes`` (default 10), saved as run
+    ``small``; elsewhere the reduced ``chapter10`` config for ``max_minutes`` (default 2), saved as
+    ``chapter10``. An earlier run of that name is replaced. Returns the run's record, which also
+    lies in ``runs_dir() / name / "record.json"``.
+    """
+    device = get_device(device)
+    config = CONFIGS["small"] if device.type == "cuda" else CONFIGS["chapter10"]
+    if max_minutes is None:
+        max_minutes = 10.0 if device.type == "cuda" else 2.0
+    out_dir = runs_dir() / config.name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    command = ["python", "-m", "transformer_tutorial.train", "--config", config.name, "--out", str(out_dir),
+               "--max-minutes", f"{max_minutes:g}", "--device", device.type]
+    return run(config, out_dir=out_dir, device=device, max_minutes=max_minutes, progress=progress, command=command)
+
+
+def load_reference_record() -> dict:
+    """The record of the book's reference run (``python -m transformer_tutorial.train --config small``),
+    shipped with the package as ``reference_run.json``; the repository keeps the same file as
+    ``results/multi30k_de_en/record.json``."""
+    text = resources.files("transformer_tutorial").joinpath("reference_run.json").read_text(encoding="utf-8")
+    return json.loads(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -448,8 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the Transformer on Multi30k German→English, then score it with BLEU on test2016.",
     )
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small",
-                        help="named recipe: tiny (seconds, for tests), small (the CPU reference, ~1 h on 2 "
-                             "cores), base (the paper's base model, for a GPU); default: %(default)s")
+                        help="named recipe: tiny (seconds, for tests), chapter10 (minutes on a CPU), small "
+                             "(the CPU reference, ~1 h on 2 cores), base (the paper's base model, for a GPU); "
+                             "default: %(default)s")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for tokenizer.json, last.pt, best.pt and record.json; default: runs/CONFIG")
     parser.add_argument("--max-minutes", type=float, default=None,
