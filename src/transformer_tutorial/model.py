@@ -208,15 +208,18 @@ class Transformer(nn.Module):
             self.generator.weight = self.tgt_embed.weight
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform for every matrix and zero biases; LayerNorm gains are left as they are.
+        """Initialise as the paper's reference code (tensor2tensor) does.
 
-        The paper's reference code (tensor2tensor) draws its layers' matrices from the same
-        Xavier-uniform range, but its embedding table from N(0, 1/D). Xavier keeps the shared
-        embedding small (std ≈ √(2 / (V + D))), so tied output logits start near zero instead of
-        the huge values ``nn.Embedding``'s N(0, 1) would give.
+        Every layer matrix is Xavier-uniform and every bias zero (LayerNorm gains stay 1); the
+        embedding table is N(0, 1/D), so that after the ×√D scale each token vector has the size
+        of its positional encoding, while tied output logits still start near zero. Padding rows
+        are zeroed again after the draw.
         """
+        embeddings = {self.src_embed.weight, self.tgt_embed.weight}
         for name, p in self.named_parameters():
-            if p.dim() > 1:
+            if any(p is e for e in embeddings):
+                nn.init.normal_(p, std=self.config.d_model ** -0.5)
+            elif p.dim() > 1:
                 nn.init.xavier_uniform_(p)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
