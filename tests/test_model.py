@@ -157,9 +157,26 @@ def test_shared_and_tied_weights_are_one_tensor():
     assert only_tied.src_embed.weight is not only_tied.tgt_embed.weight
 
 
-def test_xavier_init_zero_biases_and_zero_padding_row():
-    model = tiny_model(d_model=32, d_ff=64)
+@pytest.mark.parametrize("share, tie", [(False, False), (True, True), (False, True)])
+def test_init_normal_embeddings_xavier_matrices_zero_biases_and_padding_rows(share, tie):
+    """tensor2tensor's rule: embedding tables N(0, 1/D), every other matrix Xavier-uniform, biases 0."""
+    V, D = 4000, 64  # a table of 256,000 draws pins its std down to well under 1%
+    model = tiny_model(src_vocab_size=V, tgt_vocab_size=V, d_model=D, d_ff=128,
+                       share_embeddings=share, tie_output=tie)
+    tables = [model.src_embed.weight] + ([] if share else [model.tgt_embed.weight])
+    assert (model.src_embed.weight is model.tgt_embed.weight) == share
+    assert (model.generator.weight is model.tgt_embed.weight) == tie
+    std = D ** -0.5
+    for table in tables:
+        assert torch.all(table[PAD] == 0)
+        real = table[torch.arange(V) != PAD]
+        assert abs(real.std().item() - std) < 0.02 * std  # Xavier would give √(2/(V+D)) ≈ 0.18 std
+        assert abs(real.mean().item()) < 0.02 * std
+        # Normal, not uniform: 68.3% of the draws lie within one std (a uniform of that std: 57.7%).
+        assert abs((real.abs() < std).float().mean().item() - 0.6827) < 0.01
     for name, p in model.named_parameters():
+        if any(p is table for table in tables):
+            continue
         if p.dim() == 2:
             fan_out, fan_in = p.shape
             bound = math.sqrt(6 / (fan_in + fan_out))
@@ -169,7 +186,6 @@ def test_xavier_init_zero_biases_and_zero_padding_row():
             assert torch.all(p == 0), name
         else:  # LayerNorm gains
             assert torch.all(p == 1), name
-    assert torch.all(model.src_embed.weight[PAD] == 0) and torch.all(model.tgt_embed.weight[PAD] == 0)
 
 
 def test_config_is_frozen_and_validates():
