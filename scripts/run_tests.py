@@ -68,10 +68,13 @@ def chapters_standalone() -> bool:
         for chapter in toc_chapters():
             folder = books / chapter.stem  # one empty folder per chapter: nothing else beside it
             folder.mkdir(parents=True)
-            copies.append(str(shutil.copy(chapter, folder)))
+            shutil.copy(chapter, folder)
+            copies.append(f"{chapter.stem}/{chapter.name}")  # relative to the pytest root
         (books / "pytest.ini").write_text("[pytest]\n")
+        # Options as --name=value: a bare path after an option would count as a test path and
+        # move pytest's root, and with it the node ids that xdist groups notebooks by.
         nbval = [PY, "-m", "pytest", "--nbval", "--nbval-current-env", "-p", "no:cacheprovider",
-                 "--nbval-sanitize-with", str(ROOT / "nbval_sanitize.cfg"), "-v"]
+                 f"--rootdir={books}", f"--nbval-sanitize-with={ROOT / 'nbval_sanitize.cfg'}", "-v"]
         # Chapters that share the translator's checkpoint run one after the other, in order;
         # the rest run two at a time, one torch thread each (their outputs do not depend on it).
         ordered = [c for c in copies if Path(c).stem in SHARE_A_CHECKPOINT]
