@@ -137,7 +137,7 @@ CONFIGS = {
     # Chapter 10's own run on a CPU, two minutes: small made narrower and shallower. It sees less
     # than one epoch, so no dropout, and many small batches at a higher learning rate.
     "chapter10": TrainConfig("chapter10", d_model=128, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=512,
-                             dropout=0.0, max_tokens=1000, lr=3e-3, warmup=50, log_every=10, eval_every=100,
+                             dropout=0.0, max_tokens=1000, lr=3e-3, warmup=50, log_every=5, eval_every=100,
                              checkpoint_every=100, eval_size=100),
     # The CPU reference: the baseline's recipe (see translator-baseline.md), an hour on 2 cores.
     "small": TrainConfig("small"),
