@@ -4,7 +4,8 @@ The built site (``_build/html``, rebuilt here first when it is missing or older 
 is served on 127.0.0.1 and every page is opened in one browser, read in light mode, then switched
 to dark mode with the theme's own button and read again. Each page must load only from
 127.0.0.1, log no console error, fit the window, show every image and every stored figure (a
-shrunk one enlarging on a click, on white in dark mode), have every formula typeset by the
+shrunk one enlarging on a click, on white in dark mode; none shrunk below 70% at 1280 pixels, where
+every code cell must also fit its column), have every formula typeset by the
 vendored MathJax, link only to pages and anchors that exist, and offer its source for download; a
 chapter must open Colab on itself and state its prerequisites and what it adds to the package;
 the landing page's diagram must link every published chapter. For a person to look at, it saves a
@@ -82,8 +83,9 @@ def _site_is_stale() -> bool:
 
 
 def _build_site() -> None:
+    # --all: an incremental build with no page changed does not copy a changed _static/ file.
     jupyter_book = Path(sys.executable).parent / "jupyter-book"
-    done = subprocess.run([str(jupyter_book), "build", str(ROOT), "-W", "-n", "--keep-going"],
+    done = subprocess.run([str(jupyter_book), "build", str(ROOT), "--all", "-W", "-n", "--keep-going"],
                           cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         pytest.fail(f"jupyter-book build failed:\n{(done.stdout + done.stderr)[-4000:]}", pytrace=False)
@@ -168,12 +170,17 @@ async () => {
       src: img.getAttribute("src"), loaded: img.complete && img.naturalWidth > 0,
       output: img.closest("div.cell_output") !== null, zoomable: img.classList.contains("book-zoomable"),
       shrunk: img.naturalWidth > 1.15 * img.clientWidth,
+      scale: img.naturalWidth ? img.clientWidth / img.naturalWidth : 1,
       background: getComputedStyle(img).backgroundColor, filter: getComputedStyle(img).filter,
     })),
     math: Array.from(document.querySelectorAll("article .math"), (el) => ({
       tex: el.textContent.slice(0, 80), typeset: el.querySelector("mjx-container") !== null,
     })),
     mathContainers: document.querySelectorAll("mjx-container").length,
+    // Code cells whose source is wider than the column: the reader would scroll sideways.
+    wideCode: Array.from(document.querySelectorAll("div.cell div.cell_input pre"))
+      .filter((pre) => pre.scrollWidth > pre.clientWidth + 1)
+      .map((pre) => pre.textContent.split("\n").reduce((a, b) => (b.length > a.length ? b : a), "")),
     // TeX that MathJax could not read: an error node, or an undefined macro (shown as red text).
     mathErrors: window.MathJax && MathJax.startup && MathJax.startup.document
       ? Array.from(MathJax.startup.document.math).filter((item) => {
@@ -321,6 +328,30 @@ def test_shrunk_figures_enlarge_on_click(visits, page):
     assert not stuck, f"figures shown shrunk that a click does not enlarge: {stuck}"
     if any(img["zoomable"] for img in figures):
         assert visit.enlarged, "clicking a shrunk figure did not show it at full size (or Escape did not close it)"
+
+
+# A figure drawn at most 9.5 inches wide (dpi 110) shows at 70% or more in the 752-pixel column of
+# a 1280-pixel window, so its 11-point tick labels stay at 11 pixels or more.
+MIN_FIGURE_SCALE = 0.7
+
+
+@pytest.mark.parametrize("page", CHAPTERS, ids=_ids)
+def test_figures_are_not_shrunk_out_of_legibility(visits, page):
+    figures = [img for img in visits[page].light["images"] if img["output"]]
+    small = [f"{img['src']} at {img['scale']:.0%}" for img in figures if img["scale"] < MIN_FIGURE_SCALE]
+    assert not small, (
+        f"figures shown below {MIN_FIGURE_SCALE:.0%} of their size in a {VIEWPORT['width']}px window "
+        f"(draw them at most 9.5 inches wide): {small}"
+    )
+
+
+@pytest.mark.parametrize("page", CHAPTERS, ids=_ids)
+def test_code_cells_fit_the_column(visits, page):
+    wide = visits[page].light["wideCode"]
+    assert not wide, (
+        f"code cells wider than the column in a {VIEWPORT['width']}px window (keep lines to 99 "
+        f"characters); their longest lines: {wide}"
+    )
 
 
 RAW_TEX = re.compile(r"\$\$|\\[()\[\]]|(?<![\w$])\$[^\s$][^$\n]*\$|\\[a-zA-Z]{2,}")
