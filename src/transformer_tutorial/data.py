@@ -53,8 +53,11 @@ class ChecksumMismatchError(DatasetUnavailableError):
 
 
 def cache_dir() -> Path:
-    """The book's cache folder, for the corpus and trained runs: ``$TRANSFORMER_TUTORIAL_CACHE``,
-    else ``transformer_tutorial`` in the user cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``)."""
+    """The book's cache folder, for the corpus and trained runs.
+
+    ``$TRANSFORMER_TUTORIAL_CACHE``, else ``transformer_tutorial`` in the user cache folder
+    (``$XDG_CACHE_HOME`` or ``~/.cache``).
+    """
     if os.environ.get("TRANSFORMER_TUTORIAL_CACHE"):
         return Path(os.environ["TRANSFORMER_TUTORIAL_CACHE"]).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -71,7 +74,8 @@ def data_dir() -> Path:
 def expected_checksums() -> dict[str, str]:
     """File name → SHA-256 hex digest, read from the package's ``multi30k_sha256sums.txt``."""
     text = resources.files("transformer_tutorial").joinpath("multi30k_sha256sums.txt").read_text()
-    return {name: digest for digest, name in (line.split() for line in text.splitlines() if line.strip())}
+    return {name: digest
+            for digest, name in (line.split() for line in text.splitlines() if line.strip())}
 
 
 def sha256(path: Path | str) -> str:
@@ -91,7 +95,8 @@ def _by_hand(root: Path, url_base: str) -> str:
     )
 
 
-def fetch(filename: str, *, root: Path | str | None = None, url_base: str = URL_BASE, timeout: float = 60.0) -> Path:
+def fetch(filename: str, *, root: Path | str | None = None, url_base: str = URL_BASE,
+          timeout: float = 60.0) -> Path:
     """Return the path of a verified copy of ``filename``, downloading it first if it is missing.
 
     The download goes to a temporary file in the same folder and gets its final name only once
@@ -104,25 +109,28 @@ def fetch(filename: str, *, root: Path | str | None = None, url_base: str = URL_
     """
     checksums = expected_checksums()
     if filename not in checksums:
-        raise ValueError(f"{filename!r} is not a Multi30k file; expected one of {sorted(checksums)}")
+        raise ValueError(
+            f"{filename!r} is not a Multi30k file; expected one of {sorted(checksums)}"
+        )
     root = data_dir() if root is None else Path(root)
     path = root / filename
     if path.exists():
         actual = sha256(path)
         if actual != checksums[filename]:
             raise ChecksumMismatchError(
-                f"{path} has SHA-256 {actual}, expected {checksums[filename]}: the file is damaged "
-                "or another version. Delete it and it will be downloaded again."
+                f"{path} has SHA-256 {actual}, expected {checksums[filename]}: the file is "
+                "damaged or another version. Delete it and it will be downloaded again."
             )
         return path
     url = f"{url_base}/{filename}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        part = tempfile.NamedTemporaryFile(dir=root, prefix=f".{filename}.", suffix=".part", delete=False)
+        part = tempfile.NamedTemporaryFile(dir=root, prefix=f".{filename}.", suffix=".part",
+                                           delete=False)
     except OSError as err:
         raise DatasetUnavailableError(
-            f"Cannot write {filename} into {root} ({err.strerror}). Set MULTI30K_DIR to a writable "
-            f"folder, or place the files there yourself.\n{_by_hand(root, url_base)}"
+            f"Cannot write {filename} into {root} ({err.strerror}). Set MULTI30K_DIR to a "
+            f"writable folder, or place the files there yourself.\n{_by_hand(root, url_base)}"
         ) from None
     try:
         with part:
@@ -163,7 +171,8 @@ def _download(url: str, out: BinaryIO, timeout: float, root: Path, url_base: str
     return digest.hexdigest()
 
 
-def load_split(split: str, *, root: Path | str | None = None, url_base: str = URL_BASE) -> tuple[list[str], list[str]]:
+def load_split(split: str, *, root: Path | str | None = None,
+               url_base: str = URL_BASE) -> tuple[list[str], list[str]]:
     """The German sources and English targets of ``split`` (``"train"``, ``"val"`` or ``"test"``).
 
     Returns two aligned lists of str, surrounding whitespace stripped from each line.
@@ -178,7 +187,8 @@ def load_split(split: str, *, root: Path | str | None = None, url_base: str = UR
     src, tgt = sides
     if not len(src) == len(tgt) == SPLIT_SIZES[split]:
         raise DatasetUnavailableError(
-            f"{split}: {len(src)} German and {len(tgt)} English lines, expected {SPLIT_SIZES[split]} each"
+            f"{split}: {len(src)} German and {len(tgt)} English lines, "
+            f"expected {SPLIT_SIZES[split]} each"
         )
     return src, tgt
 
@@ -187,7 +197,8 @@ def load_split(split: str, *, root: Path | str | None = None, url_base: str = UR
 
 
 def word_tokenize(sentence: str) -> list[str]:
-    """Split into words and single punctuation marks: ``"Ein Hund."`` → ``["Ein", "Hund", "."]``."""
+    """Split into words and single punctuation marks:
+    ``"Ein Hund."`` → ``["Ein", "Hund", "."]``."""
     return re.findall(r"\w+|[^\w\s]", sentence)
 
 
@@ -195,7 +206,8 @@ class Vocab:
     """A word-level vocabulary: specials first, then words seen ``min_freq`` times or more,
     most frequent first. Unknown words map to ``<unk>``."""
 
-    def __init__(self, counter: Counter[str], *, min_freq: int = 1, specials: Sequence[str] = SPECIALS) -> None:
+    def __init__(self, counter: Counter[str], *, min_freq: int = 1,
+                 specials: Sequence[str] = SPECIALS) -> None:
         words = sorted((w for w, c in counter.items() if c >= min_freq and w not in specials),
                        key=lambda w: (-counter[w], w))
         self.itos = list(specials) + words
@@ -203,8 +215,8 @@ class Vocab:
         self.unk_id = self.stoi[UNK]
 
     @classmethod
-    def build(cls, sentences: Iterable[str], *, tokenize: Callable[[str], list[str]] = word_tokenize,
-              min_freq: int = 1) -> Vocab:
+    def build(cls, sentences: Iterable[str], *,
+              tokenize: Callable[[str], list[str]] = word_tokenize, min_freq: int = 1) -> Vocab:
         return cls(Counter(w for s in sentences for w in tokenize(s)), min_freq=min_freq)
 
     def __len__(self) -> int:
@@ -234,7 +246,8 @@ def train_tokenizer(sentences: Iterable[str], vocab_size: int = 8000) -> Tokeniz
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
+                                  show_progress=False)
     tokenizer.train_from_iterator(sentences, trainer)
     _check_specials(tokenizer)
     return tokenizer
@@ -256,7 +269,8 @@ def _check_specials(tokenizer: Tokenizer) -> None:
         raise ValueError(f"tokenizer maps {list(SPECIALS)} to {ids}, expected [0, 1, 2, 3]")
 
 
-def encode_pairs(tokenizer: Tokenizer, src: Sequence[str], tgt: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+def encode_pairs(tokenizer: Tokenizer, src: Sequence[str],
+                 tgt: Sequence[str]) -> list[tuple[list[int], list[int]]]:
     """Token ids of each (source, target) pair, without specials."""
     src_ids = [e.ids for e in tokenizer.encode_batch(list(src))]
     tgt_ids = [e.ids for e in tokenizer.encode_batch(list(tgt))]
@@ -267,7 +281,7 @@ def encode_pairs(tokenizer: Tokenizer, src: Sequence[str], tgt: Sequence[str]) -
 
 
 def pair_lengths(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[int]:
-    """The padded width each pair needs: the longer of its source and its target plus one special."""
+    """The padded width each pair needs: max(source length, target length + 1 special)."""
     return [max(len(s), len(t) + 1) for s, t in pairs]
 
 
@@ -326,7 +340,8 @@ def collate(
     bos_id: int = BOS_ID,
     eos_id: int = EOS_ID,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Pad a list of (source ids, target ids) into ``src (B, S)``, ``tgt_in (B, T)``, ``tgt_out (B, T)``.
+    """Pad a list of (source ids, target ids) into ``src (B, S)``, ``tgt_in (B, T)``,
+    ``tgt_out (B, T)``.
 
     ``tgt_in`` is ``<bos> y`` and ``tgt_out`` is ``y <eos>``: the decoder reads the one and
     predicts the other, position by position.

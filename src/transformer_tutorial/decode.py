@@ -52,8 +52,10 @@ def greedy_decode(
             logits, cache = model.decode_step(ys[:, -1:], cache)  # (B, 1, V)
         else:
             # Nothing in a prefix is padding (finished rows are ignored), as in the cached path.
-            logits = model.decode(ys, memory, memory_key_padding_mask=src_key_padding_mask,
-                                  tgt_key_padding_mask=torch.zeros_like(ys, dtype=torch.bool))  # (B, t, V)
+            logits = model.decode(  # (B, t, V)
+                ys, memory, memory_key_padding_mask=src_key_padding_mask,
+                tgt_key_padding_mask=torch.zeros_like(ys, dtype=torch.bool),
+            )
         scores = logits[:, -1]  # (B, V)
         if t < min_len:  # too early to stop: <eos> is ruled out
             scores = scores.clone()
@@ -83,7 +85,7 @@ def beam_search(
     eos_id: int,
     pad_id: int,
 ) -> tuple[Tensor, Tensor]:
-    """Keep the ``beam_size`` most likely prefixes of each sentence, batched over sentences and beams.
+    """Keep the ``beam_size`` most likely prefixes of each sentence, for all sentences at once.
 
     Each step extends every live beam by every token and keeps the best ``2 * beam_size``
     candidates: those ending in ``<eos>`` among the best ``beam_size`` are finished and scored
@@ -99,7 +101,8 @@ def beam_search(
     src_key_padding_mask = src == pad_id
     memory = model.encode(src, src_key_padding_mask)  # (B, S, D)
     rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,) the sentence of each beam
-    cache = model.init_cache(memory.index_select(0, rows), src_key_padding_mask.index_select(0, rows))
+    cache = model.init_cache(memory.index_select(0, rows),
+                             src_key_padding_mask.index_select(0, rows))
     tokens = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)  # (B*K, t+1)
     alive = torch.full((B, K), float("-inf"), device=device)
     alive[:, 0] = 0.0  # log p of each live beam; at first there is one beam, not K copies of it
@@ -122,18 +125,23 @@ def beam_search(
         rank = torch.arange(top.size(1), device=device)
         finishing = ends & (rank < K) & top.isfinite()
         new_scores = torch.where(finishing, top / length_penalty(length, alpha), float("-inf"))
-        new_tokens = torch.cat([tokens[source_rows.view(-1), 1:], token.view(-1, 1)], dim=1)  # (B*N, length)
-        new_tokens = nn.functional.pad(new_tokens, (0, max_len - length), value=pad_id).view(B, -1, max_len)
+        # (B*N, length)
+        new_tokens = torch.cat([tokens[source_rows.view(-1), 1:], token.view(-1, 1)], dim=1)
+        new_tokens = nn.functional.pad(
+            new_tokens, (0, max_len - length), value=pad_id
+        ).view(B, -1, max_len)
         pool = torch.cat([best, new_scores], dim=1)  # (B, K + N)
         best, keep = pool.topk(K, dim=-1)
-        best_tokens = torch.cat([best_tokens, new_tokens], dim=1).gather(1, keep[:, :, None].expand(-1, -1, max_len))
+        best_tokens = torch.cat([best_tokens, new_tokens], dim=1).gather(
+            1, keep[:, :, None].expand(-1, -1, max_len))
         new_lengths = torch.full_like(new_scores, length, dtype=torch.long)
         best_lengths = torch.cat([best_lengths, new_lengths], dim=1).gather(1, keep)
 
         # 2) live on: the best K candidates that did not end
         alive, pick = torch.where(ends, float("-inf"), top).topk(K, dim=-1)  # (B, K)
         chosen = source_rows.gather(1, pick).view(-1)  # (B*K,)
-        tokens = torch.cat([tokens.index_select(0, chosen), token.gather(1, pick).view(-1, 1)], dim=1)
+        tokens = torch.cat([tokens.index_select(0, chosen), token.gather(1, pick).view(-1, 1)],
+                           dim=1)
         cache = cache.reorder(chosen)
 
         # 3) stop a sentence once no live beam can still win (log p only falls as beams grow)
@@ -178,20 +186,24 @@ def translate(
         if not x:
             raise ValueError(f"sentence {i + 1} is empty")
         if len(x) > limit:
-            raise ValueError(f"sentence {i + 1} has {len(x)} tokens, more than the model's max_len={limit}")
+            raise ValueError(
+                f"sentence {i + 1} has {len(x)} tokens, more than the model's max_len={limit}"
+            )
     device = next(model.parameters()).device
     out: list[list[int]] = [[] for _ in ids]
     was_training = model.training
     model.eval()
     try:
         for batch in token_batches([len(x) for x in ids], max(max_tokens // beam_size, 1)):
-            src = torch.full((len(batch), max(len(ids[i]) for i in batch)), PAD_ID, dtype=torch.long)
+            src = torch.full((len(batch), max(len(ids[i]) for i in batch)), PAD_ID,
+                             dtype=torch.long)
             for row, i in enumerate(batch):
                 src[row, : len(ids[i])] = torch.tensor(ids[i])
             src = src.to(device)
             steps = max_len or min(limit, src.size(1) + 50)
             if beam_size == 1:
-                hyps = greedy_decode(model, src, max_len=steps, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
+                hyps = greedy_decode(model, src, max_len=steps,
+                                     bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
             else:
                 hyps, _ = beam_search(model, src, beam_size=beam_size, max_len=steps, alpha=alpha,
                                       bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
@@ -222,4 +234,5 @@ def bleu(hyps: Sequence[str], refs: Sequence[str]) -> BleuScore:
     cased = sacrebleu.BLEU()
     lower = sacrebleu.BLEU(lowercase=True)
     score = cased.corpus_score(list(hyps), [list(refs)]).score
-    return BleuScore(score, lower.corpus_score(list(hyps), [list(refs)]).score, str(cased.get_signature()))
+    return BleuScore(score, lower.corpus_score(list(hyps), [list(refs)]).score,
+                     str(cased.get_signature()))

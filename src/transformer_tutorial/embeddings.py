@@ -1,6 +1,7 @@
 """Chapters 1 and 2: token embeddings and sinusoidal positional encodings.
 
-Shapes: token ids ``(B, L)`` → embeddings ``(B, L, D)``; the positional table is ``(max_len, D)``.
+Shapes: token ids ``(B, L)`` → embeddings ``(B, L, D)``; the positional table is
+``(max_len, D)``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ class TokenEmbedding(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, padding_idx: int | None = None) -> None:
         super().__init__()
         if vocab_size <= 0 or d_model <= 0:
-            raise ValueError(f"vocab_size and d_model must be positive, got {vocab_size} and {d_model}")
+            raise ValueError(
+                f"vocab_size and d_model must be positive, got {vocab_size} and {d_model}"
+            )
         if padding_idx is not None and not 0 <= padding_idx < vocab_size:
             raise ValueError(f"padding_idx={padding_idx} must be an id in [0, {vocab_size})")
         self.d_model = d_model
@@ -43,7 +46,9 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"token ids must be an integer tensor, got {ids.dtype}; call .long() on them")
+            raise TypeError(
+                f"token ids must be an integer tensor, got {ids.dtype}; call .long() on them"
+            )
         return self.embedding(ids) * math.sqrt(self.d_model)
 
 
@@ -88,7 +93,9 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
         if not x.is_floating_point():
-            raise TypeError(f"x must hold floating-point embeddings, got {x.dtype}; embed token ids first")
+            raise TypeError(
+                f"x must hold floating-point embeddings, got {x.dtype}; embed token ids first"
+            )
         length = x.size(1)
         if start + length > self.max_len:
             raise ValueError(

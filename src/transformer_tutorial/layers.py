@@ -56,10 +56,14 @@ class FeedForward(nn.Module):
         ``(B, L, D)`` → ``(B, L, D)``, each position independently.
     """
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: str = "relu") -> None:
+    def __init__(
+        self, d_model: int, d_ff: int, dropout: float = 0.0, activation: str = "relu"
+    ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+            raise ValueError(
+                f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
+            )
         self.linear1 = nn.Linear(d_model, d_ff)
         self.activation = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
@@ -73,7 +77,8 @@ class EncoderLayer(nn.Module):
     """Self-attention, then feed-forward, each wrapped in a residual connection and a LayerNorm.
 
     Args:
-        d_model, n_heads, d_ff, dropout, activation, layer_norm_eps: as ``nn.TransformerEncoderLayer``.
+        d_model, n_heads, d_ff, dropout, activation, layer_norm_eps: as
+            ``nn.TransformerEncoderLayer``.
         norm_first: False = post-norm (the paper), True = pre-norm.
 
     Shapes:
@@ -114,8 +119,12 @@ class EncoderLayer(nn.Module):
             x = self.norm2(x + self._ff_block(x))
         return (x, weights) if need_weights else x
 
-    def _sa_block(self, x: Tensor, key_padding_mask: Tensor | None, need_weights: bool) -> tuple[Tensor, Tensor | None]:
-        out, weights = self.self_attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=need_weights)
+    def _sa_block(
+        self, x: Tensor, key_padding_mask: Tensor | None, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        out, weights = self.self_attn(
+            x, x, x, key_padding_mask=key_padding_mask, need_weights=need_weights
+        )
         return self.dropout1(out), weights
 
     def _ff_block(self, x: Tensor) -> Tensor:
@@ -187,7 +196,9 @@ class DecoderLayer(nn.Module):
     ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
         """Teacher forcing: all T positions at once, the causal mask standing in for time."""
         cache = LayerCache(None, self.cross_attn.project_kv(memory, memory))
-        x, _, weights = self._layer(x, cache, tgt_key_padding_mask, memory_key_padding_mask, need_weights)
+        x, _, weights = self._layer(
+            x, cache, tgt_key_padding_mask, memory_key_padding_mask, need_weights
+        )
         return (x, weights) if need_weights else x
 
     def step(
@@ -213,15 +224,23 @@ class DecoderLayer(nn.Module):
         need_weights: bool,
     ) -> tuple[Tensor, KVCache, tuple[Tensor | None, Tensor | None]]:
         if self.norm_first:
-            sa, self_kv, w_self = self._sa_block(self.norm1(x), cache.self_kv, tgt_key_padding_mask, need_weights)
+            sa, self_kv, w_self = self._sa_block(
+                self.norm1(x), cache.self_kv, tgt_key_padding_mask, need_weights
+            )
             x = x + sa
-            ca, w_cross = self._mha_block(self.norm2(x), cache.memory_kv, memory_key_padding_mask, need_weights)
+            ca, w_cross = self._mha_block(
+                self.norm2(x), cache.memory_kv, memory_key_padding_mask, need_weights
+            )
             x = x + ca
             x = x + self._ff_block(self.norm3(x))
         else:
-            sa, self_kv, w_self = self._sa_block(x, cache.self_kv, tgt_key_padding_mask, need_weights)
+            sa, self_kv, w_self = self._sa_block(
+                x, cache.self_kv, tgt_key_padding_mask, need_weights
+            )
             x = self.norm1(x + sa)
-            ca, w_cross = self._mha_block(x, cache.memory_kv, memory_key_padding_mask, need_weights)
+            ca, w_cross = self._mha_block(
+                x, cache.memory_kv, memory_key_padding_mask, need_weights
+            )
             x = self.norm2(x + ca)
             x = self.norm3(x + self._ff_block(x))
         return x, self_kv, (w_self, w_cross)
@@ -243,7 +262,9 @@ class DecoderLayer(nn.Module):
     def _mha_block(
         self, x: Tensor, memory_kv: KVCache, key_padding_mask: Tensor | None, need_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
-        out, weights = self.cross_attn.attend(x, memory_kv, key_padding_mask=key_padding_mask, need_weights=need_weights)
+        out, weights = self.cross_attn.attend(
+            x, memory_kv, key_padding_mask=key_padding_mask, need_weights=need_weights
+        )
         return self.dropout2(out), weights
 
     def _ff_block(self, x: Tensor) -> Tensor:

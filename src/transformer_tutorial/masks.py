@@ -18,7 +18,8 @@ def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
     return ids == pad_id
 
 
-def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | str | None = None) -> Tensor:
+def causal_mask(q_len: int, k_len: int | None = None, *,
+                device: torch.device | str | None = None) -> Tensor:
     """``(q_len, k_len)`` bool, True where query ``i`` must not see key ``j`` (the future).
 
     With ``k_len > q_len`` the queries are the last ``q_len`` positions of ``k_len`` (decoding with
@@ -74,7 +75,8 @@ def merge_masks(
             expected = (q_len, k_len)
         if tuple(attn_mask.shape) != expected:
             raise ValueError(
-                f"attn_mask has shape {tuple(attn_mask.shape)}; expected (L, S) = {(q_len, k_len)}, "
+                f"attn_mask has shape {tuple(attn_mask.shape)}; "
+                f"expected (L, S) = {(q_len, k_len)}, "
                 f"(B, L, S) = {(batch_size, q_len, k_len)} or (B, H, L, S)"
             )
     if key_padding_mask is not None:

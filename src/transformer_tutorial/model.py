@@ -114,7 +114,8 @@ class Decoder(nn.Module):
         return (x, weights) if need_weights else x
 
     def step(
-        self, x: Tensor, caches: tuple[LayerCache, ...], *, memory_key_padding_mask: Tensor | None = None
+        self, x: Tensor, caches: tuple[LayerCache, ...], *,
+        memory_key_padding_mask: Tensor | None = None,
     ) -> tuple[Tensor, tuple[LayerCache, ...]]:
         """Run new positions through every layer, each with its own cache."""
         new_caches = []
@@ -178,12 +179,13 @@ class DecoderCache:
 
     def reorder(self, index: Tensor) -> DecoderCache:
         """Select batch rows ``index`` ``(B',)`` of every tensor (beam search)."""
-        mask = None if self.memory_key_padding_mask is None else self.memory_key_padding_mask.index_select(0, index)
+        mask = (None if self.memory_key_padding_mask is None
+                else self.memory_key_padding_mask.index_select(0, index))
         return DecoderCache(tuple(c.reorder(index) for c in self.layers), mask, self.length)
 
 
 class Transformer(nn.Module):
-    """The encoder–decoder Transformer: embeddings → encoder → decoder → generator (logits).
+    """The encoder–decoder Transformer: embeddings → encoder → decoder → generator.
 
     Padding masks are derived from ``config.pad_id`` when not given, and the decoder's causal
     mask is built inside its self-attention, so ``model(src, tgt)`` is always correctly masked.
@@ -199,7 +201,8 @@ class Transformer(nn.Module):
         )
         self.positional = SinusoidalPositionalEncoding(c.d_model, c.max_len, c.dropout)
         stack = dict(d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, dropout=c.dropout,
-                     norm_first=c.norm_first, activation=c.activation, layer_norm_eps=c.layer_norm_eps)
+                     norm_first=c.norm_first, activation=c.activation,
+                     layer_norm_eps=c.layer_norm_eps)
         self.encoder = Encoder(c.n_encoder_layers, **stack)
         self.decoder = Decoder(c.n_decoder_layers, **stack)
         self.generator = nn.Linear(c.d_model, c.tgt_vocab_size)
@@ -243,7 +246,7 @@ class Transformer(nn.Module):
         memory_key_padding_mask: Tensor | None = None,
         tgt_key_padding_mask: Tensor | None = None,
     ) -> Tensor:
-        """Target ids ``(B, T)`` and memory ``(B, S, D)`` → logits ``(B, T, V)``, all positions at once."""
+        """Target ids ``(B, T)`` and memory ``(B, S, D)`` → logits ``(B, T, V)``, all at once."""
         self._check_ids("tgt", tgt, self.config.tgt_vocab_size)
         if tgt_key_padding_mask is None:
             tgt_key_padding_mask = padding_mask(tgt, self.config.pad_id)
@@ -260,14 +263,17 @@ class Transformer(nn.Module):
         src_key_padding_mask: Tensor | None = None,
         tgt_key_padding_mask: Tensor | None = None,
     ) -> Tensor:
-        """Source ids ``(B, S)``, target ids ``(B, T)`` → logits ``(B, T, V)`` (teacher forcing)."""
+        """Source ids ``(B, S)``, target ids ``(B, T)`` → logits ``(B, T, V)``
+        (teacher forcing)."""
         if src_key_padding_mask is None:
             src_key_padding_mask = padding_mask(src, self.config.pad_id)
         memory = self.encode(src, src_key_padding_mask)
         return self.decode(tgt, memory, memory_key_padding_mask=src_key_padding_mask,
                            tgt_key_padding_mask=tgt_key_padding_mask)
 
-    def init_cache(self, memory: Tensor, memory_key_padding_mask: Tensor | None = None) -> DecoderCache:
+    def init_cache(
+        self, memory: Tensor, memory_key_padding_mask: Tensor | None = None
+    ) -> DecoderCache:
         """Project the memory's keys/values once per layer for incremental decoding."""
         layers = tuple(layer.init_cache(memory) for layer in self.decoder.layers)
         return DecoderCache(layers, memory_key_padding_mask, 0)
@@ -277,8 +283,12 @@ class Transformer(nn.Module):
         logits ``(B, T_new, V)`` and the grown cache. Equal to :meth:`decode` on the whole prefix.
         """
         x = self.positional(self.tgt_embed(tgt), start=cache.length)
-        x, layers = self.decoder.step(x, cache.layers, memory_key_padding_mask=cache.memory_key_padding_mask)
-        return self.generator(x), DecoderCache(layers, cache.memory_key_padding_mask, cache.length + tgt.size(1))
+        x, layers = self.decoder.step(
+            x, cache.layers, memory_key_padding_mask=cache.memory_key_padding_mask
+        )
+        return self.generator(x), DecoderCache(
+            layers, cache.memory_key_padding_mask, cache.length + tgt.size(1)
+        )
 
     @staticmethod
     def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:

@@ -42,16 +42,22 @@ def heatmap(
     vmax: float | None = None,
     cbar: bool = True,
     center: float | None = None,
+    annot_kws: dict | None = None,
 ) -> plt.Axes:
-    """Draw a 2-D tensor (rows × columns) as a seaborn heatmap with optional token labels."""
+    """Draw a 2-D tensor (rows × columns) as a seaborn heatmap with optional token labels.
+
+    ``annot_kws`` goes to seaborn with ``annot=True``: ``{"fontsize": 11}`` sizes the numbers."""
     matrix = matrix.detach().cpu()
-    data = (matrix.float() if matrix.is_floating_point() else matrix.long()).numpy()  # ints stay ints
+    # ints stay ints
+    data = (matrix.float() if matrix.is_floating_point() else matrix.long()).numpy()
     if data.ndim != 2:
         raise ValueError(f"heatmap takes a 2-D tensor, got shape {tuple(matrix.shape)}")
     if ax is None:
-        _, ax = plt.subplots(figsize=(max(3.0, 0.45 * data.shape[1] + 1.5), max(2.5, 0.4 * data.shape[0] + 1.0)))
+        width = max(3.0, 0.45 * data.shape[1] + 1.5)
+        _, ax = plt.subplots(figsize=(width, max(2.5, 0.4 * data.shape[0] + 1.0)))
     sns.heatmap(
-        data, ax=ax, cmap=cmap, annot=annot, fmt=fmt, vmin=vmin, vmax=vmax, cbar=cbar, center=center,
+        data, ax=ax, cmap=cmap, annot=annot, fmt=fmt, annot_kws=annot_kws,
+        vmin=vmin, vmax=vmax, cbar=cbar, center=center,
         xticklabels=list(x_labels) if x_labels is not None else "auto",
         yticklabels=list(y_labels) if y_labels is not None else "auto",
         square=False, linewidths=0.0,

@@ -26,16 +26,21 @@ def _activation_name(activation: object) -> str | None:
     """``"relu"`` / ``"gelu"`` for PyTorch's function or module form, else None."""
     if activation is F.relu or isinstance(activation, nn.ReLU):
         return "relu"
-    if activation is F.gelu or (isinstance(activation, nn.GELU) and activation.approximate == "none"):
+    if activation is F.gelu or (isinstance(activation, nn.GELU)
+                                and activation.approximate == "none"):
         return "gelu"
     return None
 
 
 def _assign(name: str, dst: Tensor, src: Tensor | None) -> None:
     if src is None:
-        raise ValueError(f"{name}: PyTorch's module has no such tensor (built with bias=False?) but ours does")
+        raise ValueError(
+            f"{name}: PyTorch's module has no such tensor (built with bias=False?) but ours does"
+        )
     if dst.shape != src.shape:
-        raise ValueError(f"{name}: ours has shape {tuple(dst.shape)}, PyTorch's {tuple(src.shape)}")
+        raise ValueError(
+            f"{name}: ours has shape {tuple(dst.shape)}, PyTorch's {tuple(src.shape)}"
+        )
     dst.copy_(src)
 
 
@@ -60,12 +65,15 @@ def copy_mha(ours: MultiHeadAttention, ref: nn.MultiheadAttention) -> None:
     if ours.n_heads != ref.num_heads:
         raise ValueError(f"n_heads differs: ours {ours.n_heads}, PyTorch's {ref.num_heads}")
     if ref.bias_k is not None or ref.add_zero_attn:
-        raise ValueError("PyTorch's module uses add_bias_kv or add_zero_attn, which ours does not have")
+        raise ValueError(
+            "PyTorch's module uses add_bias_kv or add_zero_attn, which ours does not have"
+        )
     D = ours.d_model
     with torch.no_grad():
         if ref.in_proj_weight is not None:  # one packed (3D, D) matrix: rows [q; k; v]
             if ref.in_proj_weight.shape != (3 * D, D):
-                raise ValueError(f"in_proj_weight: expected (3D, D) = {(3 * D, D)}, got {tuple(ref.in_proj_weight.shape)}")
+                raise ValueError(f"in_proj_weight: expected (3D, D) = {(3 * D, D)}, "
+                                 f"got {tuple(ref.in_proj_weight.shape)}")
             w_q, w_k, w_v = ref.in_proj_weight.split(D, dim=0)
         else:  # kdim/vdim != embed_dim: three separate matrices
             w_q, w_k, w_v = ref.q_proj_weight, ref.k_proj_weight, ref.v_proj_weight
@@ -116,18 +124,22 @@ def copy_decoder_layer(ours: DecoderLayer, ref: nn.TransformerDecoderLayer) -> N
 
 def _check_stack(kind: str, ours: Encoder | Decoder, ref: nn.Module) -> None:
     if len(ours.layers) != len(ref.layers):
-        raise ValueError(f"{kind}: ours has {len(ours.layers)} layers, PyTorch's {len(ref.layers)}")
+        raise ValueError(
+            f"{kind}: ours has {len(ours.layers)} layers, PyTorch's {len(ref.layers)}"
+        )
     if (ours.norm is None) != (ref.norm is None):
         raise ValueError(
-            f"{kind}: ours {'has no' if ours.norm is None else 'has a'} final LayerNorm, PyTorch's "
-            f"{'has no' if ref.norm is None else 'has one'}. Ours has one only with norm_first=True "
-            "(pre-norm); nn.Transformer adds one to both stacks even for post-norm: set "
-            f"`ref.{kind}.norm = None` there, or build nn.Transformer{kind.capitalize()}(..., norm=None)."
+            f"{kind}: ours {'has no' if ours.norm is None else 'has a'} final LayerNorm, "
+            f"PyTorch's {'has no' if ref.norm is None else 'has one'}. Ours has one only with "
+            "norm_first=True (pre-norm); nn.Transformer adds one to both stacks even for "
+            f"post-norm: set `ref.{kind}.norm = None` there, or build "
+            f"nn.Transformer{kind.capitalize()}(..., norm=None)."
         )
 
 
 def copy_encoder(ours: Encoder, ref: nn.TransformerEncoder) -> None:
-    """Copy ``nn.TransformerEncoder``'s weights (every layer, and the final norm) into our :class:`Encoder`."""
+    """Copy ``nn.TransformerEncoder``'s weights (every layer, and the final norm) into our
+    :class:`Encoder`."""
     _check_stack("encoder", ours, ref)
     for ours_layer, ref_layer in zip(ours.layers, ref.layers):
         copy_encoder_layer(ours_layer, ref_layer)
@@ -137,7 +149,8 @@ def copy_encoder(ours: Encoder, ref: nn.TransformerEncoder) -> None:
 
 
 def copy_decoder(ours: Decoder, ref: nn.TransformerDecoder) -> None:
-    """Copy ``nn.TransformerDecoder``'s weights (every layer, and the final norm) into our :class:`Decoder`."""
+    """Copy ``nn.TransformerDecoder``'s weights (every layer, and the final norm) into our
+    :class:`Decoder`."""
     _check_stack("decoder", ours, ref)
     for ours_layer, ref_layer in zip(ours.layers, ref.layers):
         copy_decoder_layer(ours_layer, ref_layer)

@@ -1,4 +1,6 @@
-"""Device choice and seeding: decided once, in the notebook or the command line, never in a module."""
+"""Device choice and seeding: decided once, in a notebook or on the command line.
+
+No module picks a device or seeds by itself."""
 
 from __future__ import annotations
 

@@ -35,8 +35,8 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from transformer_tutorial.data import (
-    PAD_ID, DatasetUnavailableError, cache_dir, collate, encode_pairs, load_split, load_tokenizer, pair_lengths,
-    save_tokenizer, token_batches, train_tokenizer,
+    PAD_ID, DatasetUnavailableError, cache_dir, collate, encode_pairs, load_split, load_tokenizer,
+    pair_lengths, save_tokenizer, token_batches, train_tokenizer,
 )
 from transformer_tutorial.decode import bleu, translate
 from transformer_tutorial.model import Transformer, TransformerConfig
@@ -48,7 +48,8 @@ Pairs = Sequence[tuple[Sequence[int], Sequence[int]]]
 # --- The loss and the learning rate ------------------------------------------------------------
 
 
-def label_smoothing_loss(logits: Tensor, target: Tensor, *, smoothing: float, ignore_index: int) -> Tensor:
+def label_smoothing_loss(logits: Tensor, target: Tensor, *, smoothing: float,
+                         ignore_index: int) -> Tensor:
     """Cross-entropy against a smoothed target: ``1 - smoothing`` on the true token plus
     ``smoothing`` spread evenly over all V tokens; positions where ``target == ignore_index``
     do not count. Equal to ``F.cross_entropy(logits, target, label_smoothing=smoothing,
@@ -66,7 +67,7 @@ def label_smoothing_loss(logits: Tensor, target: Tensor, *, smoothing: float, ig
 
 
 def warmup_inverse_sqrt(step: int, *, warmup: int) -> float:
-    """The learning-rate multiplier: rises linearly to 1 at step ``warmup``, then decays as 1/√step.
+    """The learning-rate multiplier: up linearly to 1 at step ``warmup``, then down as 1/√step.
 
     ``step`` counts the optimizer steps already taken, as ``LambdaLR`` passes it (0 for the
     first). Times a peak learning rate; times :func:`paper_peak_lr` it is the paper's schedule.
@@ -76,8 +77,10 @@ def warmup_inverse_sqrt(step: int, *, warmup: int) -> float:
 
 
 def paper_peak_lr(d_model: int, warmup: int, factor: float = 1.0) -> float:
-    """The peak of the paper's ``lr = factor · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)``
-    (section 5.3), reached at ``step = warmup``."""
+    """The peak of the paper's learning rate, reached at ``step = warmup`` (section 5.3):
+
+        lr = factor · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)
+    """
     return factor * d_model**-0.5 * warmup**-0.5
 
 
@@ -123,35 +126,44 @@ class TrainConfig:
     def model_config(self, vocab_size: int) -> TransformerConfig:
         return TransformerConfig(
             vocab_size, vocab_size, d_model=self.d_model, n_heads=self.n_heads,
-            n_encoder_layers=self.n_encoder_layers, n_decoder_layers=self.n_decoder_layers, d_ff=self.d_ff,
-            dropout=self.dropout, max_len=self.max_len, norm_first=self.norm_first, pad_id=PAD_ID,
+            n_encoder_layers=self.n_encoder_layers, n_decoder_layers=self.n_decoder_layers,
+            d_ff=self.d_ff, dropout=self.dropout, max_len=self.max_len,
+            norm_first=self.norm_first, pad_id=PAD_ID,
             share_embeddings=self.share_embeddings, tie_output=self.share_embeddings,
         )
 
 
 CONFIGS = {
     # Seconds on a CPU: for tests and CI. Learns little.
-    "tiny": TrainConfig("tiny", vocab_size=500, d_model=32, n_heads=2, n_encoder_layers=2, n_decoder_layers=2,
-                        d_ff=64, max_len=128, max_tokens=1000, lr=3e-3, warmup=20, epochs=2, log_every=5,
-                        eval_every=20, checkpoint_every=20, train_size=2000, eval_size=50, beam_size=2),
+    "tiny": TrainConfig("tiny", vocab_size=500, d_model=32, n_heads=2, n_encoder_layers=2,
+                        n_decoder_layers=2, d_ff=64, max_len=128, max_tokens=1000, lr=3e-3,
+                        warmup=20, epochs=2, log_every=5, eval_every=20, checkpoint_every=20,
+                        train_size=2000, eval_size=50, beam_size=2),
     # Chapter 10's own run on a CPU, two minutes: small made narrower and shallower. It sees less
     # than one epoch, so no dropout, and many small batches at a higher learning rate.
-    "chapter10": TrainConfig("chapter10", d_model=128, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=512,
-                             dropout=0.0, max_tokens=1000, lr=3e-3, warmup=50, log_every=5, eval_every=100,
-                             checkpoint_every=100, eval_size=100),
-    # The CPU reference: the baseline's recipe (see translator-baseline.md), an hour on 2 cores.
-    "small": TrainConfig("small"),
+    "chapter10": TrainConfig("chapter10", d_model=128, n_heads=4, n_encoder_layers=2,
+                             n_decoder_layers=2, d_ff=512, dropout=0.0, max_tokens=1000, lr=3e-3,
+                             warmup=50, log_every=5, eval_every=100, checkpoint_every=100,
+                             eval_size=100),
+    # The CPU reference, an hour on 2 cores: the baseline's model (d_model 256, 3+3 layers) with
+    # batches of 3,000 tokens and a 400-step warm-up, so that the ~1,500 steps an hour allows are
+    # not half spent warming up.
+    "small": TrainConfig("small", max_tokens=3000, warmup=400),
     # The paper's base model and schedule (Table 3, section 5.3), for a GPU.
-    "base": TrainConfig("base", d_model=512, n_heads=8, n_encoder_layers=6, n_decoder_layers=6, d_ff=2048,
-                        norm_first=False, max_tokens=8000, lr=paper_peak_lr(512, 4000), warmup=4000),
+    "base": TrainConfig("base", d_model=512, n_heads=8, n_encoder_layers=6, n_decoder_layers=6,
+                        d_ff=2048, norm_first=False, max_tokens=8000, lr=paper_peak_lr(512, 4000),
+                        warmup=4000),
 }
 
 
 # --- Training -----------------------------------------------------------------------------------
 
 
-def make_optimizer(model: nn.Module, config: TrainConfig) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
-    """Adam with the paper's β = (0.9, 0.98), ε = 1e-9, and the warm-up schedule peaking at ``config.lr``."""
+def make_optimizer(
+    model: nn.Module, config: TrainConfig
+) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
+    """Adam with the paper's β = (0.9, 0.98), ε = 1e-9, and the warm-up schedule peaking at
+    ``config.lr``."""
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, betas=(0.9, 0.98), eps=1e-9)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_inverse_sqrt(step, warmup=config.warmup)
@@ -162,7 +174,7 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> tuple[torch.optim.A
 @torch.no_grad()
 def evaluate_loss(model: Transformer, pairs: Pairs, *, max_tokens: int, label_smoothing: float,
                   device: torch.device) -> float:
-    """The mean loss per target token over ``pairs``, dropout off (the training loss's criterion)."""
+    """The mean loss per target token over ``pairs``, dropout off (training's criterion)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -170,8 +182,9 @@ def evaluate_loss(model: Transformer, pairs: Pairs, *, max_tokens: int, label_sm
         src, tgt_in, tgt_out = (x.to(device) for x in collate([pairs[i] for i in batch]))
         with _autocast(device):
             logits = model(src, tgt_in)  # (B, T, V)
-        total += F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD_ID,
-                                 label_smoothing=label_smoothing, reduction="sum").item()
+        total += F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(),
+                                 ignore_index=PAD_ID, label_smoothing=label_smoothing,
+                                 reduction="sum").item()
         count += int((tgt_out != PAD_ID).sum())
     model.train(was_training)
     return total / max(count, 1)
@@ -236,8 +249,8 @@ def fit(
     batch_order = torch.Generator().manual_seed(seed)
     state = {
         "step": 0, "epoch": 0, "batch_in_epoch": 0, "epoch_start": batch_order.get_state(),
-        "train_seconds": 0.0, "window": [0.0, 0], "epoch_sums": [0.0, 0], "best_val_loss": math.inf,
-        "history": {"train": [], "val": [], "epochs": []},
+        "train_seconds": 0.0, "window": [0.0, 0], "epoch_sums": [0.0, 0],
+        "best_val_loss": math.inf, "history": {"train": [], "val": [], "epochs": []},
     }
     if resume:
         saved = torch.load(out_dir / "last.pt", map_location="cpu", weights_only=True)
@@ -255,14 +268,15 @@ def fit(
         return seconds_before + time.monotonic() - started
 
     def checkpoint() -> dict:
-        return {"model": model.state_dict(), "model_config": asdict(model.config), "train_config": asdict(config),
-                "tokenizer": tokenizer_file, "step": state["step"], "epochs_completed": state["epoch"]}
+        return {"model": model.state_dict(), "model_config": asdict(model.config),
+                "train_config": asdict(config), "tokenizer": tokenizer_file, "step": state["step"],
+                "epochs_completed": state["epoch"]}
 
     def validate() -> float:
         val_loss = evaluate_loss(model, val_pairs, max_tokens=config.max_tokens,
                                  label_smoothing=config.label_smoothing, device=device)
-        history["val"].append({"step": state["step"], "epoch": state["epoch"] + 1, "val_loss": val_loss,
-                               "elapsed_s": round(elapsed(), 1)})
+        history["val"].append({"step": state["step"], "epoch": state["epoch"] + 1,
+                               "val_loss": val_loss, "elapsed_s": round(elapsed(), 1)})
         if val_loss < state["best_val_loss"]:
             state["best_val_loss"] = val_loss
             _save({**checkpoint(), "val_loss": val_loss}, out_dir / "best.pt")
@@ -270,22 +284,24 @@ def fit(
 
     def save_last() -> None:
         state["train_seconds"] = elapsed()
-        _save({**checkpoint(), "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),
-               "state": state, "rng": _rng_states()}, out_dir / "last.pt")
+        _save({**checkpoint(), "optimizer": optimizer.state_dict(),
+               "scheduler": schedule.state_dict(), "state": state, "rng": _rng_states()},
+              out_dir / "last.pt")
 
     model.train()
     stopped_by = "max_steps" if max_steps is not None and state["step"] >= max_steps else "epochs"
     while state["epoch"] < config.epochs and stopped_by == "epochs":
         batch_order.set_state(state["epoch_start"])
         batches = token_batches(lengths, config.max_tokens, generator=batch_order)
-        bar = tqdm(total=len(batches), initial=state["batch_in_epoch"], desc=f"epoch {state['epoch'] + 1}",
-                   disable=not progress, leave=False, dynamic_ncols=True)
+        bar = tqdm(total=len(batches), initial=state["batch_in_epoch"],
+                   desc=f"epoch {state['epoch'] + 1}", disable=not progress, leave=False,
+                   dynamic_ncols=True)
         for batch in batches[state["batch_in_epoch"]:]:
             src, tgt_in, tgt_out = (x.to(device) for x in collate([train_pairs[i] for i in batch]))
             with _autocast(device):
                 logits = model(src, tgt_in)  # (B, T, V)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD_ID,
-                                   label_smoothing=config.label_smoothing)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(),
+                                   ignore_index=PAD_ID, label_smoothing=config.label_smoothing)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
@@ -301,8 +317,9 @@ def fit(
             bar.update()
             if state["step"] % config.log_every == 0:
                 train_loss = state["window"][0] / state["window"][1]
-                history["train"].append({"step": state["step"], "epoch": state["epoch"] + 1, "train_loss": train_loss,
-                                         "lr": schedule.get_last_lr()[0], "elapsed_s": round(elapsed(), 1)})
+                history["train"].append({"step": state["step"], "epoch": state["epoch"] + 1,
+                                         "train_loss": train_loss, "lr": schedule.get_last_lr()[0],
+                                         "elapsed_s": round(elapsed(), 1)})
                 state["window"] = [0.0, 0]
                 bar.set_postfix(loss=f"{train_loss:.3f}")
             if config.eval_every and state["step"] % config.eval_every == 0:
@@ -319,13 +336,14 @@ def fit(
         if state["batch_in_epoch"] == len(batches):
             epoch_loss = state["epoch_sums"][0] / max(state["epoch_sums"][1], 1)
             val_loss = validate()
-            history["epochs"].append({"epoch": state["epoch"] + 1, "step": state["step"], "train_loss": epoch_loss,
-                                      "val_loss": val_loss, "elapsed_s": round(elapsed(), 1)})
+            history["epochs"].append({"epoch": state["epoch"] + 1, "step": state["step"],
+                                      "train_loss": epoch_loss, "val_loss": val_loss,
+                                      "elapsed_s": round(elapsed(), 1)})
             if progress:
-                tqdm.write(f"epoch {state['epoch'] + 1}: step {state['step']}, train loss {epoch_loss:.3f}, "
-                           f"val loss {val_loss:.3f}, {elapsed() / 60:.1f} min")
-            state.update(epoch=state["epoch"] + 1, batch_in_epoch=0, epoch_start=batch_order.get_state(),
-                         epoch_sums=[0.0, 0])
+                tqdm.write(f"epoch {state['epoch'] + 1}: step {state['step']}, train loss "
+                           f"{epoch_loss:.3f}, val loss {val_loss:.3f}, {elapsed() / 60:.1f} min")
+            state.update(epoch=state["epoch"] + 1, batch_in_epoch=0,
+                         epoch_start=batch_order.get_state(), epoch_sums=[0.0, 0])
         elif not history["val"] or history["val"][-1]["step"] != state["step"]:
             validate()
         save_last()
@@ -336,28 +354,35 @@ def fit(
 # --- Checkpoints and the whole run --------------------------------------------------------------
 
 
-def load_model(path: Path | str, device: torch.device | str = "cpu") -> tuple[Transformer, Tokenizer | None, dict]:
+def load_model(
+    path: Path | str, device: torch.device | str = "cpu"
+) -> tuple[Transformer, Tokenizer | None, dict]:
     """Load a checkpoint written by :func:`fit`: the model (in eval mode), its tokenizer (found
     beside the checkpoint) or None, and the checkpoint's other entries."""
     path = Path(path)
     checkpoint = torch.load(path, map_location=device, weights_only=True)
     if not isinstance(checkpoint, dict) or not {"model", "model_config"} <= set(checkpoint):
-        raise ValueError("not a checkpoint written by transformer_tutorial.train (no model or model_config)")
+        raise ValueError(
+            "not a checkpoint written by transformer_tutorial.train (no model or model_config)"
+        )
     try:
         config = TransformerConfig(**checkpoint["model_config"])
     except TypeError as err:
         raise ValueError(f"unknown model config {checkpoint['model_config']}: {err}") from None
     model = Transformer(config).to(device)
     model.load_state_dict(checkpoint["model"])
-    tokenizer = load_tokenizer(path.parent / checkpoint["tokenizer"]) if checkpoint.get("tokenizer") else None
+    tokenizer = (load_tokenizer(path.parent / checkpoint["tokenizer"])
+                 if checkpoint.get("tokenizer") else None)
     return model.eval(), tokenizer, checkpoint
 
 
 def _git_commit() -> dict:
     here = Path(__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        status = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=10)
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                                text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True,
+                                text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return {"commit": None}
     if commit.returncode:
@@ -368,7 +393,8 @@ def _git_commit() -> dict:
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), "")
     except OSError:
         return platform.processor()
 
@@ -394,8 +420,9 @@ def run(
     command: Sequence[str] = (),
 ) -> dict:
     """The whole experiment: data, tokenizer, :func:`fit`, then BLEU on test2016 with the best
-    weights (greedy and beam search), all written to ``out_dir/record.json``. Returns the record."""
+    weights (greedy and beam search), all written to ``out_dir/record.json`` and returned."""
     wall_start = time.monotonic()
+    git = _git_commit()  # the code as the run starts, not as it ends
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(device)
@@ -411,9 +438,9 @@ def run(
     fits = [(s, t) for s, t in encode_pairs(tokenizer, train_src, train_tgt)
             if len(s) <= config.max_len and len(t) + 1 <= config.max_len]
     model, state = fit(config, fits, encode_pairs(tokenizer, val_src, val_tgt),
-                       vocab_size=tokenizer.get_vocab_size(), out_dir=out_dir, device=device, seed=seed,
-                       resume=resume, max_steps=max_steps, max_minutes=max_minutes, progress=progress,
-                       tokenizer_file=tokenizer_path.name)
+                       vocab_size=tokenizer.get_vocab_size(), out_dir=out_dir, device=device,
+                       seed=seed, resume=resume, max_steps=max_steps, max_minutes=max_minutes,
+                       progress=progress, tokenizer_file=tokenizer_path.name)
 
     best, _, best_checkpoint = load_model(out_dir / "best.pt", device)
     eval_start = time.monotonic()
@@ -423,7 +450,7 @@ def run(
         "command": list(command),
         "config": asdict(config),
         "model_config": asdict(model.config),
-        "git": _git_commit(),
+        "git": git,
         "hardware": _hardware(device),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -451,7 +478,7 @@ def run(
     return record
 
 
-# --- Runs in the cache: the chapters' checkpoints and the reference record ------------------------
+# --- Runs in the cache: the chapters' checkpoints and the reference record ----------------------
 
 RUN_PREFERENCE = ("base", "small", "chapter10")
 
@@ -476,8 +503,8 @@ def find_checkpoint() -> Path | None:
     return None
 
 
-def train_for_chapter(*, device: torch.device | str | None = None, max_minutes: float | None = None,
-                      progress: bool = False) -> dict:
+def train_for_chapter(*, device: torch.device | str | None = None,
+                      max_minutes: float | None = None, progress: bool = False) -> dict:
     """Chapter 10's run (chapter 11 calls it too when :func:`find_checkpoint` finds nothing).
 
     On a CUDA GPU the reference recipe ``small`` for ``max_minutes`` (default 10), saved as run
@@ -491,9 +518,10 @@ def train_for_chapter(*, device: torch.device | str | None = None, max_minutes: 
         max_minutes = 10.0 if device.type == "cuda" else 2.0
     out_dir = runs_dir() / config.name
     shutil.rmtree(out_dir, ignore_errors=True)
-    command = ["python", "-m", "transformer_tutorial.train", "--config", config.name, "--out", str(out_dir),
-               "--max-minutes", f"{max_minutes:g}", "--device", device.type]
-    return run(config, out_dir=out_dir, device=device, max_minutes=max_minutes, progress=progress, command=command)
+    command = ["python", "-m", "transformer_tutorial.train", "--config", config.name,
+               "--out", str(out_dir), "--max-minutes", f"{max_minutes:g}", "--device", device.type]
+    return run(config, out_dir=out_dir, device=device, max_minutes=max_minutes,
+               progress=progress, command=command)
 
 
 def describe_run(record: dict) -> str:
@@ -505,7 +533,8 @@ def describe_run(record: dict) -> str:
         path = Path(arg)
         if not path.is_absolute():
             return arg
-        return "python" if path.name.startswith("python") else f"…/{path.parent.name}/{path.name}"
+        return ("python" if path.name.startswith("python")
+                else f"…/{path.parent.name}/{path.name}")
 
     hw, config, model = record["hardware"], record["config"], record["model_config"]
     threads = f"{hw['torch_threads']} torch thread{'s' if hw['torch_threads'] != 1 else ''}"
@@ -519,60 +548,76 @@ def describe_run(record: dict) -> str:
         ("hardware", f"{hw['device']}: {device}"),
         ("software", f"{code}, torch {record['torch']}, Python {record['python']}"),
         ("model", f"{record['parameters']:,} parameters: d_model {model['d_model']}, "
-                  f"{model['n_encoder_layers']}+{model['n_decoder_layers']} layers, {model['n_heads']} heads, "
+                  f"{model['n_encoder_layers']}+{model['n_decoder_layers']} layers, "
+                  f"{model['n_heads']} heads, "
                   f"d_ff {model['d_ff']}, {'pre' if model['norm_first'] else 'post'}-norm, "
                   f"vocabulary {model['src_vocab_size']:,}"),
         ("training", f"{record['steps']:,} steps, {record['epochs_completed']} full epochs of "
                      f"{record['train_pairs']:,} pairs, {record['train_time_s'] / 60:.1f} min "
-                     f"(stopped by {record['stopped_by']}); ~{config['max_tokens']:,} tokens a batch"),
-        ("best", f"validation loss {record['best']['val_loss']:.3f} at step {record['best']['step']:,}"),
-        ("wall time", f"{record['wall_time_s'] / 60:.1f} min in all, data and evaluation included"),
+                     f"(stopped by {record['stopped_by']}); "
+                     f"~{config['max_tokens']:,} tokens a batch"),
+        ("best", f"validation loss {record['best']['val_loss']:.3f} "
+                 f"at step {record['best']['step']:,}"),
+        ("wall time", f"{record['wall_time_s'] / 60:.1f} min in all, "
+                      "data and evaluation included"),
     ]
     scores = record["test2016"]
     for name in ("greedy", f"beam{config['beam_size']}"):
-        lines.append((f"BLEU {name}", f"{scores[name]['score']:.2f} (lowercased {scores[name]['lowercase']:.2f}) "
+        lines.append((f"BLEU {name}", f"{scores[name]['score']:.2f} "
+                                      f"(lowercased {scores[name]['lowercase']:.2f}) "
                                       f"on {scores['sentences']:,} test2016 sentences"))
     lines.append(("signature", scores["greedy"]["signature"]))
     return "\n".join(f"{key:<12} {value}" for key, value in lines)
 
 
 def load_reference_record() -> dict:
-    """The record of the book's reference run (``python -m transformer_tutorial.train --config small``),
-    shipped with the package as ``reference_run.json``; the repository keeps the same file as
+    """The record of the book's reference run
+    (``python -m transformer_tutorial.train --config small``), shipped with the package as
+    ``reference_run.json``; the repository keeps the same file as
     ``results/multi30k_de_en/record.json``."""
-    text = resources.files("transformer_tutorial").joinpath("reference_run.json").read_text(encoding="utf-8")
+    text = (resources.files("transformer_tutorial").joinpath("reference_run.json")
+            .read_text(encoding="utf-8"))
     return json.loads(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m transformer_tutorial.train",
-        description="Train the Transformer on Multi30k German→English, then score it with BLEU on test2016.",
+        description="Train the Transformer on Multi30k German→English, "
+                    "then score it with BLEU on test2016.",
     )
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small",
-                        help="named recipe: tiny (seconds, for tests), chapter10 (minutes on a CPU), small "
-                             "(the CPU reference, ~1 h on 2 cores), base (the paper's base model, for a GPU); "
-                             "default: %(default)s")
+                        help="named recipe: tiny (seconds, for tests), "
+                             "chapter10 (minutes on a CPU), "
+                             "small (the CPU reference, ~1 h on 2 cores), "
+                             "base (the paper's base model, for a GPU); default: %(default)s")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for tokenizer.json, last.pt, best.pt and record.json; default: runs/CONFIG")
+                        help="folder for tokenizer.json, last.pt, best.pt and record.json; "
+                             "default: runs/CONFIG")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="stop training after this many minutes, then checkpoint and evaluate")
     parser.add_argument("--max-steps", type=int, default=None,
-                        help="stop when this many optimizer steps have been taken in all (resumed runs included)")
+                        help="stop when this many optimizer steps have been taken in all "
+                             "(resumed runs included)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="train at most this many epochs; default: the config's")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --out from its last.pt, exactly where it stopped")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps…; default: the best available")
+                        help="continue the run in --out from its last.pt, "
+                             "exactly where it stopped")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:1, mps…; default: the best available")
     parser.add_argument("--seed", type=int, default=0,
-                        help="seed for initialisation, dropout and batch order; default: %(default)s")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch; default: PyTorch's choice")
+                        help="seed for initialisation, dropout and batch order; "
+                             "default: %(default)s")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for PyTorch; default: PyTorch's choice")
     parser.add_argument("--eval-size", type=int, default=None,
-                        help="score BLEU on the first N test sentences only; default: the config's "
-                             "(all for small and base)")
+                        help="score BLEU on the first N test sentences only; "
+                             "default: the config's (all for small and base)")
     parser.add_argument("--beam", type=int, default=None,
                         help="beam size for the BLEU evaluation; default: the config's")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs and CI)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (logs and CI)")
     return parser
 
 
@@ -585,31 +630,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.resume and not (out_dir / "last.pt").exists():
-        print(f"error: --resume: no checkpoint {out_dir / 'last.pt'} to resume from", file=sys.stderr)
-        return 1
-    if not args.resume and (out_dir / "last.pt").exists():
-        print(f"error: {out_dir} already holds a run; pass --resume to continue it or choose another --out",
+        print(f"error: --resume: no checkpoint {out_dir / 'last.pt'} to resume from",
               file=sys.stderr)
         return 1
+    if not args.resume and (out_dir / "last.pt").exists():
+        print(f"error: {out_dir} already holds a run; pass --resume to continue it or "
+              "choose another --out", file=sys.stderr)
+        return 1
     if args.resume:
-        saved = torch.load(out_dir / "last.pt", map_location="cpu", weights_only=True)["train_config"]
+        saved = torch.load(out_dir / "last.pt", map_location="cpu",
+                           weights_only=True)["train_config"]
         if saved["name"] != config.name:
-            print(f"error: {out_dir} holds a {saved['name']!r} run, not {config.name!r}", file=sys.stderr)
+            print(f"error: {out_dir} holds a {saved['name']!r} run, not {config.name!r}",
+                  file=sys.stderr)
             return 1
     device = get_device(args.device)
-    command = [sys.executable, "-m", "transformer_tutorial.train", *(sys.argv[1:] if argv is None else argv)]
+    command = [sys.executable, "-m", "transformer_tutorial.train",
+               *(sys.argv[1:] if argv is None else argv)]
     try:
         record = run(config, out_dir=out_dir, device=device, seed=args.seed, resume=args.resume,
-                     max_steps=args.max_steps, max_minutes=args.max_minutes, progress=not args.no_progress,
-                     command=command)
+                     max_steps=args.max_steps, max_minutes=args.max_minutes,
+                     progress=not args.no_progress, command=command)
     except DatasetUnavailableError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     scores = record["test2016"]
-    print(f"{record['steps']} steps, {record['train_time_s'] / 60:.1f} min, stopped by {record['stopped_by']}; "
+    print(f"{record['steps']} steps, {record['train_time_s'] / 60:.1f} min, "
+          f"stopped by {record['stopped_by']}; "
           f"best val loss {record['best']['val_loss']:.3f} at step {record['best']['step']}")
     for name in ("greedy", f"beam{config.beam_size}"):
-        print(f"test2016 {name}: BLEU {scores[name]['score']:.2f}, lowercased {scores[name]['lowercase']:.2f}")
+        print(f"test2016 {name}: BLEU {scores[name]['score']:.2f}, "
+              f"lowercased {scores[name]['lowercase']:.2f}")
     print(f"record: {out_dir / 'record.json'}")
     return 0
 

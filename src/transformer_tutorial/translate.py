@@ -1,8 +1,9 @@
-"""Translate German sentences into English with a trained checkpoint.
+r"""Translate German sentences into English with a trained checkpoint.
 
 Command line::
 
-    python -m transformer_tutorial.translate --checkpoint runs/small/best.pt "Ein Mann fährt Fahrrad."
+    python -m transformer_tutorial.translate --checkpoint runs/small/best.pt \
+        "Ein Mann fährt Fahrrad."
     python -m transformer_tutorial.translate --checkpoint runs/small/best.pt < sentences.de
 
 One translation a line, in the order given.
@@ -25,20 +26,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m transformer_tutorial.translate",
         description="Translate German sentences into English with a checkpoint written by "
-                    "transformer_tutorial.train. Reads one sentence a line from standard input when "
-                    "no TEXT is given.",
+                    "transformer_tutorial.train. Reads one sentence a line from standard "
+                    "input when no TEXT is given.",
     )
-    parser.add_argument("text", nargs="*", metavar="TEXT", help="German sentences to translate, one per argument")
+    parser.add_argument("text", nargs="*", metavar="TEXT",
+                        help="German sentences to translate, one per argument")
     parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="best.pt or last.pt from a training run; its tokenizer.json must lie beside it")
-    parser.add_argument("--beam", type=int, default=5, help="beam size; 1 means greedy search; default: %(default)s")
+                        help="best.pt or last.pt from a training run; "
+                             "its tokenizer.json must lie beside it")
+    parser.add_argument("--beam", type=int, default=5,
+                        help="beam size; 1 means greedy search; default: %(default)s")
     parser.add_argument("--max-len", type=int, default=None,
-                        help="at most this many tokens a translation; default: 50 more than the source, "
-                             "within the model's max_len")
+                        help="at most this many tokens a translation; "
+                             "default: 50 more than the source, within the model's max_len")
     parser.add_argument("--alpha", type=float, default=0.6,
-                        help="length penalty exponent of beam search, ((5 + length) / 6) ** alpha; "
-                             "default: %(default)s")
-    parser.add_argument("--device", default=None, help="cpu, cuda, mps…; default: the best available")
+                        help="length penalty exponent of beam search, "
+                             "((5 + length) / 6) ** alpha; default: %(default)s")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, mps…; default: the best available")
     return parser
 
 
@@ -67,14 +72,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model, tokenizer, _ = load_model(args.checkpoint, get_device(args.device))
     except pickle.UnpicklingError:
-        return fail(f"cannot load {args.checkpoint}: not a checkpoint written by transformer_tutorial.train")
+        return fail(f"cannot load {args.checkpoint}: "
+                    "not a checkpoint written by transformer_tutorial.train")
     except (OSError, RuntimeError, ValueError, KeyError) as err:
         return fail(f"cannot load {args.checkpoint}: {err}")
     if tokenizer is None:
-        return fail(f"{args.checkpoint} names no tokenizer; use a checkpoint written by transformer_tutorial.train")
+        return fail(f"{args.checkpoint} names no tokenizer; "
+                    "use a checkpoint written by transformer_tutorial.train")
     try:
-        translations = translate(model, tokenizer, [s.strip() for s in sentences], beam_size=args.beam,
-                                 max_len=args.max_len, alpha=args.alpha)
+        translations = translate(model, tokenizer, [s.strip() for s in sentences],
+                                 beam_size=args.beam, max_len=args.max_len, alpha=args.alpha)
     except ValueError as err:
         return fail(str(err).replace("sentence", where, 1))
     print("\n".join(translations))
