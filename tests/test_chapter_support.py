@@ -122,9 +122,12 @@ def test_describe_run_shows_the_record_without_local_paths():
     text = train.describe_run(record)
     assert "python -m transformer_tutorial.train --out …/runs/chapter10" in text and "/home" not in text
     beam = f"beam{record['config']['beam_size']}"
-    for key in ("hardware", "model", "training", "best", "BLEU greedy", f"BLEU {beam}", "signature"):
+    for key in ("hardware", "model", "training", "time", "best", "BLEU greedy", f"BLEU {beam}", "signature"):
         assert f"\n{key} " in f"\n{text}"
     assert f"{record['test2016']['greedy']['score']:.2f} (lowercased" in text
+    assert f"{record['epochs_completed']} full epochs of" in text  # the reference ran > 1 epoch
+    record["epochs_completed"] = 1
+    assert "1 full epoch of" in train.describe_run(record)
 
 
 def eos_loving_model(vocab_size: int = 10) -> Transformer:

@@ -537,6 +537,7 @@ def describe_run(record: dict) -> str:
                 else f"…/{path.parent.name}/{path.name}")
 
     hw, config, model = record["hardware"], record["config"], record["model_config"]
+    epochs = record["epochs_completed"]
     threads = f"{hw['torch_threads']} torch thread{'s' if hw['torch_threads'] != 1 else ''}"
     device = hw.get("gpu") or f"{hw.get('cpu') or 'CPU'}, {hw['cpu_count']} cores, {threads}"
     git = record["git"]
@@ -552,10 +553,11 @@ def describe_run(record: dict) -> str:
                   f"{model['n_heads']} heads, "
                   f"d_ff {model['d_ff']}, {'pre' if model['norm_first'] else 'post'}-norm, "
                   f"vocabulary {model['src_vocab_size']:,}"),
-        ("training", f"{record['steps']:,} steps, {record['epochs_completed']} full epochs of "
-                     f"{record['train_pairs']:,} pairs, {record['train_time_s'] / 60:.1f} min "
-                     f"(stopped by {record['stopped_by']}); "
-                     f"~{config['max_tokens']:,} tokens a batch"),
+        ("training", f"{record['steps']:,} steps of ~{config['max_tokens']:,} tokens, "
+                     f"{epochs} full epoch{'s' if epochs != 1 else ''} of "
+                     f"{record['train_pairs']:,} pairs"),
+        ("time", f"{record['train_time_s'] / 60:.1f} min of training "
+                 f"(stopped by {record['stopped_by']})"),
         ("best", f"validation loss {record['best']['val_loss']:.3f} "
                  f"at step {record['best']['step']:,}"),
         ("wall time", f"{record['wall_time_s'] / 60:.1f} min in all, "
