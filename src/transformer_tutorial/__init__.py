@@ -1,7 +1,15 @@
 """Transformer, piece by piece: the encoder–decoder Transformer of Vaswani et al. (2017).
 
-One module per chapter, read in this order: ``embeddings`` → ``masks`` → ``attention`` →
-``layers`` → ``model``, then ``data`` → ``train`` → ``decode``.
+The model, one module per idea, in the chapters' order: ``embeddings`` (chapters 1–2),
+``attention`` (3–4), ``layers`` (5, 7, 8), ``masks`` (6), ``model`` (7–9); ``copy_weights``
+copies PyTorch's weights into them for the equality checks. Imports run one way:
+``embeddings``, ``masks`` → ``attention`` → ``layers`` → ``model``.
+
+The training side (chapter 10), one job a module, none of which the model imports: ``data``
+(corpus, tokenizer, batches), ``optim`` (loss, optimizer, schedule), ``configs`` (the named
+recipes), ``checkpoint`` (save and load), ``trainer`` (the loop), ``runs`` (a whole run, its
+record, the runs cache); ``decode`` (chapter 11: greedy, beam search, BLEU). The command lines
+are ``train`` and ``translate``; ``runtime`` picks the device and seeds.
 
 Shape vocabulary, batch-first everywhere:
 
@@ -26,4 +34,4 @@ from transformer_tutorial.runtime import get_device, set_seed
 
 __version__ = "0.1.0"
 
-__all__ = ["get_device", "set_seed", "__version__"]
+__all__ = ["__version__", "get_device", "set_seed"]

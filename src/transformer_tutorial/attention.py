@@ -99,8 +99,9 @@ class MultiHeadAttention(nn.Module):
     keys and values computed once can be kept in a :class:`KVCache`.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0,
-                 bias: bool = True) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True
+    ) -> None:
         super().__init__()
         if n_heads <= 0 or d_model % n_heads:
             raise ValueError(
@@ -142,15 +143,21 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:  # 2) attend, written out
             out, weights = scaled_dot_product_attention(
-                q, kv.k, kv.v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                dropout_p=dropout_p, need_weights=True,
+                q,
+                kv.k,
+                kv.v,
+                attn_mask=attn_mask,
+                key_padding_mask=key_padding_mask,
+                dropout_p=dropout_p,
+                need_weights=True,
             )
         else:  # 2) attend with PyTorch's fused kernel: same function, less memory traffic
             blocked = merge_masks(attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S)
             allowed = None if blocked is None else ~blocked  # F.sdpa: True = attend
             # (torch >= 2.5 gives a query with no key left zeros, as the written-out path does)
-            out = F.scaled_dot_product_attention(q, kv.k, kv.v, attn_mask=allowed,
-                                                 dropout_p=dropout_p)
+            out = F.scaled_dot_product_attention(
+                q, kv.k, kv.v, attn_mask=allowed, dropout_p=dropout_p
+            )
             weights = None
         out = out.transpose(1, 2).reshape(B, L, self.d_model)  # 3) concat heads: (B, L, D)
         return self.out_proj(out), weights  # 4) mix heads
@@ -166,14 +173,21 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Returns ``(output (B, L, D), per-head weights (B, H, L, S) or None)``."""
-        if (query.dim() != 3 or key.dim() != 3 or value.dim() != 3
-                or query.size(-1) != self.d_model):
+        if (
+            query.dim() != 3
+            or key.dim() != 3
+            or value.dim() != 3
+            or query.size(-1) != self.d_model
+        ):
             raise ValueError(
                 f"expected batch-first (B, L, {self.d_model}) inputs, "
                 f"got query {tuple(query.shape)}, "
                 f"key {tuple(key.shape)}, value {tuple(value.shape)}"
             )
         return self.attend(
-            query, self.project_kv(key, value), key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask, need_weights=need_weights,
+            query,
+            self.project_kv(key, value),
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            need_weights=need_weights,
         )

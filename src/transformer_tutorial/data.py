@@ -74,8 +74,10 @@ def data_dir() -> Path:
 def expected_checksums() -> dict[str, str]:
     """File name → SHA-256 hex digest, read from the package's ``multi30k_sha256sums.txt``."""
     text = resources.files("transformer_tutorial").joinpath("multi30k_sha256sums.txt").read_text()
-    return {name: digest
-            for digest, name in (line.split() for line in text.splitlines() if line.strip())}
+    return {
+        name: digest
+        for digest, name in (line.split() for line in text.splitlines() if line.strip())
+    }
 
 
 def sha256(path: Path | str) -> str:
@@ -95,8 +97,13 @@ def _by_hand(root: Path, url_base: str) -> str:
     )
 
 
-def fetch(filename: str, *, root: Path | str | None = None, url_base: str = URL_BASE,
-          timeout: float = 60.0) -> Path:
+def fetch(
+    filename: str,
+    *,
+    root: Path | str | None = None,
+    url_base: str = URL_BASE,
+    timeout: float = 60.0,
+) -> Path:
     """Return the path of a verified copy of ``filename``, downloading it first if it is missing.
 
     The download goes to a temporary file in the same folder and gets its final name only once
@@ -125,8 +132,9 @@ def fetch(filename: str, *, root: Path | str | None = None, url_base: str = URL_
     url = f"{url_base}/{filename}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        part = tempfile.NamedTemporaryFile(dir=root, prefix=f".{filename}.", suffix=".part",
-                                           delete=False)
+        part = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed by the `with part:` below)
+            dir=root, prefix=f".{filename}.", suffix=".part", delete=False
+        )
     except OSError as err:
         raise DatasetUnavailableError(
             f"Cannot write {filename} into {root} ({err.strerror}). Set MULTI30K_DIR to a "
@@ -171,8 +179,9 @@ def _download(url: str, out: BinaryIO, timeout: float, root: Path, url_base: str
     return digest.hexdigest()
 
 
-def load_split(split: str, *, root: Path | str | None = None,
-               url_base: str = URL_BASE) -> tuple[list[str], list[str]]:
+def load_split(
+    split: str, *, root: Path | str | None = None, url_base: str = URL_BASE
+) -> tuple[list[str], list[str]]:
     """The German sources and English targets of ``split`` (``"train"``, ``"val"`` or ``"test"``).
 
     Returns two aligned lists of str, surrounding whitespace stripped from each line.
@@ -206,17 +215,25 @@ class Vocab:
     """A word-level vocabulary: specials first, then words seen ``min_freq`` times or more,
     most frequent first. Unknown words map to ``<unk>``."""
 
-    def __init__(self, counter: Counter[str], *, min_freq: int = 1,
-                 specials: Sequence[str] = SPECIALS) -> None:
-        words = sorted((w for w, c in counter.items() if c >= min_freq and w not in specials),
-                       key=lambda w: (-counter[w], w))
+    def __init__(
+        self, counter: Counter[str], *, min_freq: int = 1, specials: Sequence[str] = SPECIALS
+    ) -> None:
+        words = sorted(
+            (w for w, c in counter.items() if c >= min_freq and w not in specials),
+            key=lambda w: (-counter[w], w),
+        )
         self.itos = list(specials) + words
         self.stoi = {w: i for i, w in enumerate(self.itos)}
         self.unk_id = self.stoi[UNK]
 
     @classmethod
-    def build(cls, sentences: Iterable[str], *,
-              tokenize: Callable[[str], list[str]] = word_tokenize, min_freq: int = 1) -> Vocab:
+    def build(
+        cls,
+        sentences: Iterable[str],
+        *,
+        tokenize: Callable[[str], list[str]] = word_tokenize,
+        min_freq: int = 1,
+    ) -> Vocab:
         return cls(Counter(w for s in sentences for w in tokenize(s)), min_freq=min_freq)
 
     def __len__(self) -> int:
@@ -246,8 +263,9 @@ def train_tokenizer(sentences: Iterable[str], vocab_size: int = 8000) -> Tokeniz
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False
+    )
     tokenizer.train_from_iterator(sentences, trainer)
     _check_specials(tokenizer)
     return tokenizer
@@ -258,7 +276,14 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path | str) -> None:
 
 
 def load_tokenizer(path: Path | str) -> Tokenizer:
-    tokenizer = Tokenizer.from_file(str(path))
+    """Read a tokenizer saved by :func:`save_tokenizer`; a clear ``ValueError`` otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"tokenizer not found: {path}")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for any unreadable file
+        raise ValueError(f"cannot read the tokenizer {path}: {err}") from None
     _check_specials(tokenizer)
     return tokenizer
 
@@ -269,12 +294,13 @@ def _check_specials(tokenizer: Tokenizer) -> None:
         raise ValueError(f"tokenizer maps {list(SPECIALS)} to {ids}, expected [0, 1, 2, 3]")
 
 
-def encode_pairs(tokenizer: Tokenizer, src: Sequence[str],
-                 tgt: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+def encode_pairs(
+    tokenizer: Tokenizer, src: Sequence[str], tgt: Sequence[str]
+) -> list[tuple[list[int], list[int]]]:
     """Token ids of each (source, target) pair, without specials."""
     src_ids = [e.ids for e in tokenizer.encode_batch(list(src))]
     tgt_ids = [e.ids for e in tokenizer.encode_batch(list(tgt))]
-    return list(zip(src_ids, tgt_ids))
+    return list(zip(src_ids, tgt_ids, strict=True))
 
 
 # --- Batches: by token count, of similar lengths ---------------------------------------------
@@ -333,6 +359,14 @@ def pad_share(batches: Iterable[Sequence[int]], lengths: Sequence[int]) -> float
     return 1.0 - real / max(padded, 1)
 
 
+def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = PAD_ID) -> Tensor:
+    """Stack id sequences of different lengths into one ``(B, L)`` tensor, padded at the end."""
+    out = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        out[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
 def collate(
     pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
     *,
@@ -346,13 +380,7 @@ def collate(
     ``tgt_in`` is ``<bos> y`` and ``tgt_out`` is ``y <eos>``: the decoder reads the one and
     predicts the other, position by position.
     """
-    S = max(len(s) for s, _ in pairs)
-    T = max(len(t) for _, t in pairs) + 1
-    src = torch.full((len(pairs), S), pad_id, dtype=torch.long)
-    tgt_in = torch.full((len(pairs), T), pad_id, dtype=torch.long)
-    tgt_out = torch.full((len(pairs), T), pad_id, dtype=torch.long)
-    for b, (s, t) in enumerate(pairs):
-        src[b, : len(s)] = torch.tensor(s, dtype=torch.long)
-        tgt_in[b, : len(t) + 1] = torch.tensor([bos_id, *t], dtype=torch.long)
-        tgt_out[b, : len(t) + 1] = torch.tensor([*t, eos_id], dtype=torch.long)
+    src = pad_batch([s for s, _ in pairs], pad_id)
+    tgt_in = pad_batch([[bos_id, *t] for _, t in pairs], pad_id)
+    tgt_out = pad_batch([[*t, eos_id] for _, t in pairs], pad_id)
     return src, tgt_in, tgt_out

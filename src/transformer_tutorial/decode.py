@@ -17,7 +17,13 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID, token_batches
+from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID, pad_batch, token_batches
+from transformer_tutorial.masks import padding_mask
+
+# GNMT's length-penalty exponent (Wu et al., 2016), the usual choice for beam search.
+BEAM_ALPHA = 0.6
+# By default a translation may be this many tokens longer than its source.
+EXTRA_DECODE_TOKENS = 50
 
 
 @torch.no_grad()
@@ -42,7 +48,7 @@ def greedy_decode(
     Shapes:
         src ``(B, S)`` → ``(B, L)``, ``L ≤ max_len``.
     """
-    src_key_padding_mask = src == pad_id
+    src_key_padding_mask = padding_mask(src, pad_id)
     memory = model.encode(src, src_key_padding_mask)  # (B, S, D)
     ys = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # (B, 1)
     finished = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
@@ -53,7 +59,9 @@ def greedy_decode(
         else:
             # Nothing in a prefix is padding (finished rows are ignored), as in the cached path.
             logits = model.decode(  # (B, t, V)
-                ys, memory, memory_key_padding_mask=src_key_padding_mask,
+                ys,
+                memory,
+                memory_key_padding_mask=src_key_padding_mask,
                 tgt_key_padding_mask=torch.zeros_like(ys, dtype=torch.bool),
             )
         scores = logits[:, -1]  # (B, V)
@@ -80,7 +88,7 @@ def beam_search(
     *,
     beam_size: int,
     max_len: int,
-    alpha: float = 0.6,
+    alpha: float = BEAM_ALPHA,
     bos_id: int,
     eos_id: int,
     pad_id: int,
@@ -98,11 +106,12 @@ def beam_search(
         The best finished hypothesis of each sentence ``(B, L)`` and its score ``(B,)``.
     """
     B, K, device = src.size(0), beam_size, src.device
-    src_key_padding_mask = src == pad_id
+    src_key_padding_mask = padding_mask(src, pad_id)
     memory = model.encode(src, src_key_padding_mask)  # (B, S, D)
     rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,) the sentence of each beam
-    cache = model.init_cache(memory.index_select(0, rows),
-                             src_key_padding_mask.index_select(0, rows))
+    cache = model.init_cache(
+        memory.index_select(0, rows), src_key_padding_mask.index_select(0, rows)
+    )
     tokens = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)  # (B*K, t+1)
     alive = torch.full((B, K), float("-inf"), device=device)
     alive[:, 0] = 0.0  # log p of each live beam; at first there is one beam, not K copies of it
@@ -127,21 +136,23 @@ def beam_search(
         new_scores = torch.where(finishing, top / length_penalty(length, alpha), float("-inf"))
         # (B*N, length)
         new_tokens = torch.cat([tokens[source_rows.view(-1), 1:], token.view(-1, 1)], dim=1)
-        new_tokens = nn.functional.pad(
-            new_tokens, (0, max_len - length), value=pad_id
-        ).view(B, -1, max_len)
+        new_tokens = nn.functional.pad(new_tokens, (0, max_len - length), value=pad_id).view(
+            B, -1, max_len
+        )
         pool = torch.cat([best, new_scores], dim=1)  # (B, K + N)
         best, keep = pool.topk(K, dim=-1)
         best_tokens = torch.cat([best_tokens, new_tokens], dim=1).gather(
-            1, keep[:, :, None].expand(-1, -1, max_len))
+            1, keep[:, :, None].expand(-1, -1, max_len)
+        )
         new_lengths = torch.full_like(new_scores, length, dtype=torch.long)
         best_lengths = torch.cat([best_lengths, new_lengths], dim=1).gather(1, keep)
 
         # 2) live on: the best K candidates that did not end
         alive, pick = torch.where(ends, float("-inf"), top).topk(K, dim=-1)  # (B, K)
         chosen = source_rows.gather(1, pick).view(-1)  # (B*K,)
-        tokens = torch.cat([tokens.index_select(0, chosen), token.gather(1, pick).view(-1, 1)],
-                           dim=1)
+        tokens = torch.cat(
+            [tokens.index_select(0, chosen), token.gather(1, pick).view(-1, 1)], dim=1
+        )
         cache = cache.reorder(chosen)
 
         # 3) stop a sentence once no live beam can still win (log p only falls as beams grow)
@@ -162,20 +173,21 @@ def strip_eos(ids: Sequence[int], eos_id: int = EOS_ID) -> list[int]:
     return ids[: ids.index(eos_id)] if eos_id in ids else ids
 
 
-def translate(
+def translate_sentences(
     model: nn.Module,
     tokenizer: Tokenizer,
     sentences: Sequence[str],
     *,
     beam_size: int = 1,
     max_len: int | None = None,
-    alpha: float = 0.6,
+    alpha: float = BEAM_ALPHA,
     max_tokens: int = 4000,
 ) -> list[str]:
     """Translate plain sentences into plain detokenised text, in the order given.
 
     Sentences are batched by length (about ``max_tokens`` source tokens a batch, divided among
-    the beams). ``max_len`` bounds the generated tokens: by default 50 more than the longest
+    the beams). ``max_len`` bounds the generated tokens: by default
+    :data:`EXTRA_DECODE_TOKENS` more than the longest
     source in the batch, within the model's ``max_len``. Greedy search for ``beam_size=1``.
     """
     limit = model.config.max_len
@@ -195,18 +207,23 @@ def translate(
     model.eval()
     try:
         for batch in token_batches([len(x) for x in ids], max(max_tokens // beam_size, 1)):
-            src = torch.full((len(batch), max(len(ids[i]) for i in batch)), PAD_ID,
-                             dtype=torch.long)
-            for row, i in enumerate(batch):
-                src[row, : len(ids[i])] = torch.tensor(ids[i])
-            src = src.to(device)
-            steps = max_len or min(limit, src.size(1) + 50)
+            src = pad_batch([ids[i] for i in batch]).to(device)  # (B, S)
+            steps = max_len or min(limit, src.size(1) + EXTRA_DECODE_TOKENS)
             if beam_size == 1:
-                hyps = greedy_decode(model, src, max_len=steps,
-                                     bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
+                hyps = greedy_decode(
+                    model, src, max_len=steps, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID
+                )
             else:
-                hyps, _ = beam_search(model, src, beam_size=beam_size, max_len=steps, alpha=alpha,
-                                      bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
+                hyps, _ = beam_search(
+                    model,
+                    src,
+                    beam_size=beam_size,
+                    max_len=steps,
+                    alpha=alpha,
+                    bos_id=BOS_ID,
+                    eos_id=EOS_ID,
+                    pad_id=PAD_ID,
+                )
             for row, i in enumerate(batch):
                 out[i] = strip_eos(hyps[row].tolist())
     finally:
@@ -234,5 +251,6 @@ def bleu(hyps: Sequence[str], refs: Sequence[str]) -> BleuScore:
     cased = sacrebleu.BLEU()
     lower = sacrebleu.BLEU(lowercase=True)
     score = cased.corpus_score(list(hyps), [list(refs)]).score
-    return BleuScore(score, lower.corpus_score(list(hyps), [list(refs)]).score,
-                     str(cased.get_signature()))
+    return BleuScore(
+        score, lower.corpus_score(list(hyps), [list(refs)]).score, str(cased.get_signature())
+    )

@@ -82,8 +82,7 @@ class EncoderLayer(nn.Module):
         norm_first: False = post-norm (the paper), True = pre-norm.
 
     Shapes:
-        x ``(B, S, D)``, src_key_padding_mask ``(B, S)`` bool True = padding → ``(B, S, D)``;
-        with ``need_weights=True`` also the self-attention weights ``(B, H, S, S)``.
+        x ``(B, S, D)``, src_key_padding_mask ``(B, S)`` bool True = padding → ``(B, S, D)``.
     """
 
     def __init__(
@@ -106,18 +105,28 @@ class EncoderLayer(nn.Module):
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
 
-    def forward(
-        self, x: Tensor, *, src_key_padding_mask: Tensor | None = None, need_weights: bool = False
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, *, src_key_padding_mask: Tensor | None = None) -> Tensor:
+        return self._layer(x, src_key_padding_mask, need_weights=False)[0]
+
+    def forward_with_weights(
+        self, x: Tensor, *, src_key_padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """As :meth:`forward`, through the written-out attention, with its weights
+        ``(B, H, S, S)``."""
+        return self._layer(x, src_key_padding_mask, need_weights=True)
+
+    def _layer(
+        self, x: Tensor, key_padding_mask: Tensor | None, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
         if self.norm_first:
-            sa, weights = self._sa_block(self.norm1(x), src_key_padding_mask, need_weights)
+            sa, weights = self._sa_block(self.norm1(x), key_padding_mask, need_weights)
             x = x + sa
             x = x + self._ff_block(self.norm2(x))
         else:
-            sa, weights = self._sa_block(x, src_key_padding_mask, need_weights)
+            sa, weights = self._sa_block(x, key_padding_mask, need_weights)
             x = self.norm1(x + sa)
             x = self.norm2(x + self._ff_block(x))
-        return (x, weights) if need_weights else x
+        return x, weights
 
     def _sa_block(
         self, x: Tensor, key_padding_mask: Tensor | None, need_weights: bool
@@ -150,6 +159,9 @@ class LayerCache:
 class DecoderLayer(nn.Module):
     """Masked self-attention, cross-attention over the encoder memory, then feed-forward.
 
+    PyTorch calls the cross-attention ``multihead_attn`` and its block ``_mha_block``; here they
+    are ``cross_attn`` and ``_ca_block``.
+
     Self-attention here is always causal: position t sees targets 0..t only. The mask is built
     in this layer, so no caller can forget it, and it does not depend on ``self.training``.
 
@@ -158,8 +170,7 @@ class DecoderLayer(nn.Module):
 
     Shapes:
         x ``(B, T, D)``, memory ``(B, S, D)``, tgt_key_padding_mask ``(B, T)``,
-        memory_key_padding_mask ``(B, S)`` (bool, True = padding) → ``(B, T, D)``; with
-        ``need_weights=True`` also ``(self-attention (B, H, T, T), cross-attention (B, H, T, S))``.
+        memory_key_padding_mask ``(B, S)`` (bool, True = padding) → ``(B, T, D)``.
     """
 
     def __init__(
@@ -192,14 +203,26 @@ class DecoderLayer(nn.Module):
         *,
         tgt_key_padding_mask: Tensor | None = None,
         memory_key_padding_mask: Tensor | None = None,
-        need_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
+    ) -> Tensor:
         """Teacher forcing: all T positions at once, the causal mask standing in for time."""
-        cache = LayerCache(None, self.cross_attn.project_kv(memory, memory))
+        return self._layer(
+            x, self.init_cache(memory), tgt_key_padding_mask, memory_key_padding_mask, False
+        )[0]
+
+    def forward_with_weights(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        *,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """As :meth:`forward`, through the written-out attention, with the weights
+        ``(self-attention (B, H, T, T), cross-attention (B, H, T, S))``."""
         x, _, weights = self._layer(
-            x, cache, tgt_key_padding_mask, memory_key_padding_mask, need_weights
+            x, self.init_cache(memory), tgt_key_padding_mask, memory_key_padding_mask, True
         )
-        return (x, weights) if need_weights else x
+        return x, weights
 
     def step(
         self, x: Tensor, cache: LayerCache, *, memory_key_padding_mask: Tensor | None = None
@@ -228,7 +251,7 @@ class DecoderLayer(nn.Module):
                 self.norm1(x), cache.self_kv, tgt_key_padding_mask, need_weights
             )
             x = x + sa
-            ca, w_cross = self._mha_block(
+            ca, w_cross = self._ca_block(
                 self.norm2(x), cache.memory_kv, memory_key_padding_mask, need_weights
             )
             x = x + ca
@@ -238,9 +261,7 @@ class DecoderLayer(nn.Module):
                 x, cache.self_kv, tgt_key_padding_mask, need_weights
             )
             x = self.norm1(x + sa)
-            ca, w_cross = self._mha_block(
-                x, cache.memory_kv, memory_key_padding_mask, need_weights
-            )
+            ca, w_cross = self._ca_block(x, cache.memory_kv, memory_key_padding_mask, need_weights)
             x = self.norm2(x + ca)
             x = self.norm3(x + self._ff_block(x))
         return x, self_kv, (w_self, w_cross)
@@ -259,7 +280,7 @@ class DecoderLayer(nn.Module):
         )
         return self.dropout1(out), kv, weights
 
-    def _mha_block(
+    def _ca_block(
         self, x: Tensor, memory_kv: KVCache, key_padding_mask: Tensor | None, need_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
         out, weights = self.cross_attn.attend(

@@ -18,8 +18,9 @@ def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
     return ids == pad_id
 
 
-def causal_mask(q_len: int, k_len: int | None = None, *,
-                device: torch.device | str | None = None) -> Tensor:
+def causal_mask(
+    q_len: int, k_len: int | None = None, *, device: torch.device | str | None = None
+) -> Tensor:
     """``(q_len, k_len)`` bool, True where query ``i`` must not see key ``j`` (the future).
 
     With ``k_len > q_len`` the queries are the last ``q_len`` positions of ``k_len`` (decoding with

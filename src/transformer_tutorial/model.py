@@ -7,6 +7,7 @@ output, the "memory", is ``(B, S, D)``. The model returns logits: softmax belong
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -18,78 +19,48 @@ from transformer_tutorial.masks import padding_mask
 
 
 class Encoder(nn.Module):
-    """A stack of ``n_layers`` :class:`EncoderLayer`, plus a final LayerNorm for pre-norm.
+    """A stack of :class:`EncoderLayer`, plus a final LayerNorm when the layers are pre-norm.
 
     In pre-norm the residual stream is never normalised inside the stack, so the stack ends with
-    one LayerNorm; post-norm layers already end with one.
+    one LayerNorm; post-norm layers already end with one. Like ``nn.ModuleList``, it takes the
+    layers themselves, each initialised on its own.
 
     Shapes:
-        x ``(B, S, D)``, src_key_padding_mask ``(B, S)`` → memory ``(B, S, D)``; with
-        ``need_weights=True`` also a list of each layer's weights ``(B, H, S, S)``.
+        x ``(B, S, D)``, src_key_padding_mask ``(B, S)`` → memory ``(B, S, D)``.
     """
 
-    def __init__(
-        self,
-        n_layers: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.1,
-        *,
-        norm_first: bool = False,
-        activation: str = "relu",
-        layer_norm_eps: float = 1e-5,
-    ) -> None:
+    def __init__(self, layers: Iterable[EncoderLayer]) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            EncoderLayer(d_model, n_heads, d_ff, dropout, norm_first=norm_first,
-                         activation=activation, layer_norm_eps=layer_norm_eps)
-            for _ in range(n_layers)
-        )
-        self.norm = LayerNorm(d_model, layer_norm_eps) if norm_first else None
+        self.layers = nn.ModuleList(layers)
+        self.norm = _final_norm(self.layers)
 
-    def forward(
-        self, x: Tensor, *, src_key_padding_mask: Tensor | None = None, need_weights: bool = False
-    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+    def forward(self, x: Tensor, *, src_key_padding_mask: Tensor | None = None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, src_key_padding_mask=src_key_padding_mask)
+        return x if self.norm is None else self.norm(x)
+
+    def forward_with_weights(
+        self, x: Tensor, *, src_key_padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
+        """As :meth:`forward`, with every layer's self-attention weights ``(B, H, S, S)``."""
         weights = []
         for layer in self.layers:
-            if need_weights:
-                x, w = layer(x, src_key_padding_mask=src_key_padding_mask, need_weights=True)
-                weights.append(w)
-            else:
-                x = layer(x, src_key_padding_mask=src_key_padding_mask)
-        if self.norm is not None:
-            x = self.norm(x)
-        return (x, weights) if need_weights else x
+            x, w = layer.forward_with_weights(x, src_key_padding_mask=src_key_padding_mask)
+            weights.append(w)
+        return (x if self.norm is None else self.norm(x)), weights
 
 
 class Decoder(nn.Module):
-    """A stack of ``n_layers`` :class:`DecoderLayer`, plus a final LayerNorm for pre-norm.
+    """A stack of :class:`DecoderLayer`, plus a final LayerNorm when the layers are pre-norm.
 
     Shapes:
-        x ``(B, T, D)``, memory ``(B, S, D)`` → ``(B, T, D)``; with ``need_weights=True`` also a
-        list of each layer's ``(self-attention, cross-attention)`` weights.
+        x ``(B, T, D)``, memory ``(B, S, D)`` → ``(B, T, D)``.
     """
 
-    def __init__(
-        self,
-        n_layers: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.1,
-        *,
-        norm_first: bool = False,
-        activation: str = "relu",
-        layer_norm_eps: float = 1e-5,
-    ) -> None:
+    def __init__(self, layers: Iterable[DecoderLayer]) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            DecoderLayer(d_model, n_heads, d_ff, dropout, norm_first=norm_first,
-                         activation=activation, layer_norm_eps=layer_norm_eps)
-            for _ in range(n_layers)
-        )
-        self.norm = LayerNorm(d_model, layer_norm_eps) if norm_first else None
+        self.layers = nn.ModuleList(layers)
+        self.norm = _final_norm(self.layers)
 
     def forward(
         self,
@@ -98,33 +69,58 @@ class Decoder(nn.Module):
         *,
         tgt_key_padding_mask: Tensor | None = None,
         memory_key_padding_mask: Tensor | None = None,
-        need_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    ) -> Tensor:
+        for layer in self.layers:
+            x = layer(
+                x,
+                memory,
+                tgt_key_padding_mask=tgt_key_padding_mask,
+                memory_key_padding_mask=memory_key_padding_mask,
+            )
+        return x if self.norm is None else self.norm(x)
+
+    def forward_with_weights(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        *,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """As :meth:`forward`, with every layer's ``(self-attention, cross-attention)``
+        weights."""
         weights = []
         for layer in self.layers:
-            out = layer(x, memory, tgt_key_padding_mask=tgt_key_padding_mask,
-                        memory_key_padding_mask=memory_key_padding_mask, need_weights=need_weights)
-            if need_weights:
-                x, w = out
-                weights.append(w)
-            else:
-                x = out
-        if self.norm is not None:
-            x = self.norm(x)
-        return (x, weights) if need_weights else x
+            x, w = layer.forward_with_weights(
+                x,
+                memory,
+                tgt_key_padding_mask=tgt_key_padding_mask,
+                memory_key_padding_mask=memory_key_padding_mask,
+            )
+            weights.append(w)
+        return (x if self.norm is None else self.norm(x)), weights
 
     def step(
-        self, x: Tensor, caches: tuple[LayerCache, ...], *,
+        self,
+        x: Tensor,
+        caches: tuple[LayerCache, ...],
+        *,
         memory_key_padding_mask: Tensor | None = None,
     ) -> tuple[Tensor, tuple[LayerCache, ...]]:
         """Run new positions through every layer, each with its own cache."""
         new_caches = []
-        for layer, cache in zip(self.layers, caches):
+        for layer, cache in zip(self.layers, caches, strict=True):
             x, cache = layer.step(x, cache, memory_key_padding_mask=memory_key_padding_mask)
             new_caches.append(cache)
-        if self.norm is not None:
-            x = self.norm(x)
-        return x, tuple(new_caches)
+        return (x if self.norm is None else self.norm(x)), tuple(new_caches)
+
+
+def _final_norm(layers: nn.ModuleList) -> LayerNorm | None:
+    """The LayerNorm a pre-norm stack ends with (shaped like its layers' own), else None."""
+    if len(layers) == 0:
+        raise ValueError("a stack needs at least one layer, got none")
+    first = layers[0].norm1
+    return LayerNorm(first.weight.numel(), first.eps) if layers[0].norm_first else None
 
 
 @dataclass(frozen=True)
@@ -153,9 +149,7 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
-            )
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(
                 "share_embeddings needs one joint vocabulary: src_vocab_size "
@@ -179,8 +173,11 @@ class DecoderCache:
 
     def reorder(self, index: Tensor) -> DecoderCache:
         """Select batch rows ``index`` ``(B',)`` of every tensor (beam search)."""
-        mask = (None if self.memory_key_padding_mask is None
-                else self.memory_key_padding_mask.index_select(0, index))
+        mask = (
+            None
+            if self.memory_key_padding_mask is None
+            else self.memory_key_padding_mask.index_select(0, index)
+        )
         return DecoderCache(tuple(c.reorder(index) for c in self.layers), mask, self.length)
 
 
@@ -196,15 +193,22 @@ class Transformer(nn.Module):
         self.config = c = config
         self.src_embed = TokenEmbedding(c.src_vocab_size, c.d_model, padding_idx=c.pad_id)
         self.tgt_embed = (
-            self.src_embed if c.share_embeddings
+            self.src_embed
+            if c.share_embeddings
             else TokenEmbedding(c.tgt_vocab_size, c.d_model, padding_idx=c.pad_id)
         )
         self.positional = SinusoidalPositionalEncoding(c.d_model, c.max_len, c.dropout)
-        stack = dict(d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, dropout=c.dropout,
-                     norm_first=c.norm_first, activation=c.activation,
-                     layer_norm_eps=c.layer_norm_eps)
-        self.encoder = Encoder(c.n_encoder_layers, **stack)
-        self.decoder = Decoder(c.n_decoder_layers, **stack)
+        layer = dict(
+            d_model=c.d_model,
+            n_heads=c.n_heads,
+            d_ff=c.d_ff,
+            dropout=c.dropout,
+            norm_first=c.norm_first,
+            activation=c.activation,
+            layer_norm_eps=c.layer_norm_eps,
+        )
+        self.encoder = Encoder(EncoderLayer(**layer) for _ in range(c.n_encoder_layers))
+        self.decoder = Decoder(DecoderLayer(**layer) for _ in range(c.n_decoder_layers))
         self.generator = nn.Linear(c.d_model, c.tgt_vocab_size)
         self.reset_parameters()
         if c.tie_output:
@@ -221,7 +225,7 @@ class Transformer(nn.Module):
         embeddings = {self.src_embed.weight, self.tgt_embed.weight}
         for name, p in self.named_parameters():
             if any(p is e for e in embeddings):
-                nn.init.normal_(p, std=self.config.d_model ** -0.5)
+                nn.init.normal_(p, std=self.config.d_model**-0.5)
             elif p.dim() > 1:
                 nn.init.xavier_uniform_(p)
             elif name.endswith("bias"):
@@ -251,8 +255,12 @@ class Transformer(nn.Module):
         if tgt_key_padding_mask is None:
             tgt_key_padding_mask = padding_mask(tgt, self.config.pad_id)
         x = self.positional(self.tgt_embed(tgt))
-        x = self.decoder(x, memory, tgt_key_padding_mask=tgt_key_padding_mask,
-                         memory_key_padding_mask=memory_key_padding_mask)
+        x = self.decoder(
+            x,
+            memory,
+            tgt_key_padding_mask=tgt_key_padding_mask,
+            memory_key_padding_mask=memory_key_padding_mask,
+        )
         return self.generator(x)
 
     def forward(
@@ -268,8 +276,12 @@ class Transformer(nn.Module):
         if src_key_padding_mask is None:
             src_key_padding_mask = padding_mask(src, self.config.pad_id)
         memory = self.encode(src, src_key_padding_mask)
-        return self.decode(tgt, memory, memory_key_padding_mask=src_key_padding_mask,
-                           tgt_key_padding_mask=tgt_key_padding_mask)
+        return self.decode(
+            tgt,
+            memory,
+            memory_key_padding_mask=src_key_padding_mask,
+            tgt_key_padding_mask=tgt_key_padding_mask,
+        )
 
     def init_cache(
         self, memory: Tensor, memory_key_padding_mask: Tensor | None = None
@@ -292,5 +304,13 @@ class Transformer(nn.Module):
 
     @staticmethod
     def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:
+        """Token ids must be an integer ``(B, L)`` tensor with every id in ``[0, vocab_size)``."""
         if ids.dim() != 2:
             raise ValueError(f"{name} must be token ids of shape (B, L), got {tuple(ids.shape)}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+            raise ValueError(
+                f"{name} holds ids from {int(ids.min())} to {int(ids.max())}; valid ids are "
+                f"0 to {vocab_size - 1} (the vocabulary has {vocab_size} tokens)"
+            )

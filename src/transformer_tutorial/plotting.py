@@ -16,14 +16,16 @@ def use_book_style() -> None:
     """Seaborn's clean theme, readable font sizes, crisp PNGs with a white background (legible
     in the website's dark mode too)."""
     sns.set_theme(context="notebook", style="whitegrid", palette="deep")
-    plt.rcParams.update({
-        "figure.dpi": 110,
-        "savefig.dpi": 110,
-        "figure.facecolor": "white",
-        "savefig.facecolor": "white",
-        "axes.titleweight": "bold",
-        "figure.autolayout": True,
-    })
+    plt.rcParams.update(
+        {
+            "figure.dpi": 110,
+            "savefig.dpi": 110,
+            "figure.facecolor": "white",
+            "savefig.facecolor": "white",
+            "axes.titleweight": "bold",
+            "figure.autolayout": True,
+        }
+    )
 
 
 def heatmap(
@@ -56,11 +58,20 @@ def heatmap(
         width = max(3.0, 0.45 * data.shape[1] + 1.5)
         _, ax = plt.subplots(figsize=(width, max(2.5, 0.4 * data.shape[0] + 1.0)))
     sns.heatmap(
-        data, ax=ax, cmap=cmap, annot=annot, fmt=fmt, annot_kws=annot_kws,
-        vmin=vmin, vmax=vmax, cbar=cbar, center=center,
+        data,
+        ax=ax,
+        cmap=cmap,
+        annot=annot,
+        fmt=fmt,
+        annot_kws=annot_kws,
+        vmin=vmin,
+        vmax=vmax,
+        cbar=cbar,
+        center=center,
         xticklabels=list(x_labels) if x_labels is not None else "auto",
         yticklabels=list(y_labels) if y_labels is not None else "auto",
-        square=False, linewidths=0.0,
+        square=False,
+        linewidths=0.0,
     )
     if x_labels is not None:
         ax.set_xticklabels(ax.get_xticklabels(), rotation=60, ha="right")

@@ -4,7 +4,6 @@ No module picks a device or seeds by itself."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import torch
@@ -24,10 +23,12 @@ def get_device(prefer: str | None = None) -> torch.device:
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python, NumPy (when installed) and PyTorch on every device; return a seeded generator.
 
+    (Python's string hashing, ``PYTHONHASHSEED``, can only be fixed before the interpreter
+    starts; nothing in the package depends on it.)
+
     The generator is handy where a cell wants its own stream of random numbers that later cells
     cannot disturb.
     """
-    os.environ["PYTHONHASHSEED"] = str(seed)
     random.seed(seed)
     try:
         import numpy as np

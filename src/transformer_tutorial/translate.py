@@ -12,38 +12,55 @@ One translation a line, in the order given.
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from transformer_tutorial.decode import translate
+from transformer_tutorial.checkpoint import CheckpointError, load_model
+from transformer_tutorial.decode import BEAM_ALPHA, EXTRA_DECODE_TOKENS, translate_sentences
 from transformer_tutorial.runtime import get_device
-from transformer_tutorial.train import load_model
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m transformer_tutorial.translate",
         description="Translate German sentences into English with a checkpoint written by "
-                    "transformer_tutorial.train. Reads one sentence a line from standard "
-                    "input when no TEXT is given.",
+        "transformer_tutorial.train. Reads one sentence a line from standard "
+        "input when no TEXT is given.",
     )
-    parser.add_argument("text", nargs="*", metavar="TEXT",
-                        help="German sentences to translate, one per argument")
-    parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="best.pt or last.pt from a training run; "
-                             "its tokenizer.json must lie beside it")
-    parser.add_argument("--beam", type=int, default=5,
-                        help="beam size; 1 means greedy search; default: %(default)s")
-    parser.add_argument("--max-len", type=int, default=None,
-                        help="at most this many tokens a translation; "
-                             "default: 50 more than the source, within the model's max_len")
-    parser.add_argument("--alpha", type=float, default=0.6,
-                        help="length penalty exponent of beam search, "
-                             "((5 + length) / 6) ** alpha; default: %(default)s")
-    parser.add_argument("--device", default=None,
-                        help="cpu, cuda, mps…; default: the best available")
+    parser.add_argument(
+        "text", nargs="*", metavar="TEXT", help="German sentences to translate, one per argument"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        help="best.pt or last.pt from a training run; its tokenizer.json must lie beside it",
+    )
+    parser.add_argument(
+        "--beam",
+        type=int,
+        default=5,
+        help="beam size; 1 means greedy search; default: %(default)s",
+    )
+    parser.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="at most this many tokens a translation; "
+        f"default: {EXTRA_DECODE_TOKENS} more than the source, "
+        "within the model's max_len",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        default=BEAM_ALPHA,
+        help="length penalty exponent of beam search, "
+        "((5 + length) / 6) ** alpha; default: %(default)s",
+    )
+    parser.add_argument(
+        "--device", default=None, help="cpu, cuda, mps…; default: the best available"
+    )
     return parser
 
 
@@ -67,21 +84,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, sentence in enumerate(sentences, start=1):
         if not sentence.strip():
             return fail(f"{where} {i} is empty")
-    if not args.checkpoint.is_file():
-        return fail(f"checkpoint not found: {args.checkpoint}")
     try:
         model, tokenizer, _ = load_model(args.checkpoint, get_device(args.device))
-    except pickle.UnpicklingError:
-        return fail(f"cannot load {args.checkpoint}: "
-                    "not a checkpoint written by transformer_tutorial.train")
-    except (OSError, RuntimeError, ValueError, KeyError) as err:
+    except CheckpointError as err:
+        return fail(str(err))
+    except (OSError, ValueError) as err:  # the tokenizer beside it is missing or unreadable
         return fail(f"cannot load {args.checkpoint}: {err}")
     if tokenizer is None:
-        return fail(f"{args.checkpoint} names no tokenizer; "
-                    "use a checkpoint written by transformer_tutorial.train")
+        return fail(
+            f"{args.checkpoint} names no tokenizer; "
+            "use a checkpoint written by transformer_tutorial.train"
+        )
     try:
-        translations = translate(model, tokenizer, [s.strip() for s in sentences],
-                                 beam_size=args.beam, max_len=args.max_len, alpha=args.alpha)
+        translations = translate_sentences(
+            model,
+            tokenizer,
+            [s.strip() for s in sentences],
+            beam_size=args.beam,
+            max_len=args.max_len,
+            alpha=args.alpha,
+        )
     except ValueError as err:
         return fail(str(err).replace("sentence", where, 1))
     print("\n".join(translations))

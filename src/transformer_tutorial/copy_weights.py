@@ -13,6 +13,8 @@ PyTorch's ``nn.MultiheadAttention`` packs the three input projections into one
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,8 +28,9 @@ def _activation_name(activation: object) -> str | None:
     """``"relu"`` / ``"gelu"`` for PyTorch's function or module form, else None."""
     if activation is F.relu or isinstance(activation, nn.ReLU):
         return "relu"
-    if activation is F.gelu or (isinstance(activation, nn.GELU)
-                                and activation.approximate == "none"):
+    if activation is F.gelu or (
+        isinstance(activation, nn.GELU) and activation.approximate == "none"
+    ):
         return "gelu"
     return None
 
@@ -72,8 +75,10 @@ def copy_mha(ours: MultiHeadAttention, ref: nn.MultiheadAttention) -> None:
     with torch.no_grad():
         if ref.in_proj_weight is not None:  # one packed (3D, D) matrix: rows [q; k; v]
             if ref.in_proj_weight.shape != (3 * D, D):
-                raise ValueError(f"in_proj_weight: expected (3D, D) = {(3 * D, D)}, "
-                                 f"got {tuple(ref.in_proj_weight.shape)}")
+                raise ValueError(
+                    f"in_proj_weight: expected (3D, D) = {(3 * D, D)}, "
+                    f"got {tuple(ref.in_proj_weight.shape)}"
+                )
             w_q, w_k, w_v = ref.in_proj_weight.split(D, dim=0)
         else:  # kdim/vdim != embed_dim: three separate matrices
             w_q, w_k, w_v = ref.q_proj_weight, ref.k_proj_weight, ref.v_proj_weight
@@ -140,23 +145,27 @@ def _check_stack(kind: str, ours: Encoder | Decoder, ref: nn.Module) -> None:
 def copy_encoder(ours: Encoder, ref: nn.TransformerEncoder) -> None:
     """Copy ``nn.TransformerEncoder``'s weights (every layer, and the final norm) into our
     :class:`Encoder`."""
-    _check_stack("encoder", ours, ref)
-    for ours_layer, ref_layer in zip(ours.layers, ref.layers):
-        copy_encoder_layer(ours_layer, ref_layer)
-    if ours.norm is not None:
-        with torch.no_grad():
-            _copy_norm("encoder.norm", ours.norm, ref.norm)
+    _copy_stack("encoder", ours, ref, copy_encoder_layer)
 
 
 def copy_decoder(ours: Decoder, ref: nn.TransformerDecoder) -> None:
     """Copy ``nn.TransformerDecoder``'s weights (every layer, and the final norm) into our
     :class:`Decoder`."""
-    _check_stack("decoder", ours, ref)
-    for ours_layer, ref_layer in zip(ours.layers, ref.layers):
-        copy_decoder_layer(ours_layer, ref_layer)
+    _copy_stack("decoder", ours, ref, copy_decoder_layer)
+
+
+def _copy_stack(
+    kind: str,
+    ours: Encoder | Decoder,
+    ref: nn.Module,
+    copy_layer: Callable[[nn.Module, nn.Module], None],
+) -> None:
+    _check_stack(kind, ours, ref)
+    for ours_layer, ref_layer in zip(ours.layers, ref.layers, strict=True):
+        copy_layer(ours_layer, ref_layer)
     if ours.norm is not None:
         with torch.no_grad():
-            _copy_norm("decoder.norm", ours.norm, ref.norm)
+            _copy_norm(f"{kind}.norm", ours.norm, ref.norm)
 
 
 def copy_transformer(ours_model: Transformer, ref: nn.Transformer) -> None:

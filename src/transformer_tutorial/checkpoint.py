@@ -1,0 +1,74 @@
+"""Chapter 10: checkpoints — written atomically, loaded safely, a model back from a file.
+
+A checkpoint is a plain dict of tensors and built-in types, so ``torch.load(...,
+weights_only=True)`` reads it without running any pickled code. Loading a model for translation
+needs this module and the model, never the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from transformer_tutorial.data import load_tokenizer
+from transformer_tutorial.model import Transformer, TransformerConfig
+
+
+class CheckpointError(ValueError):
+    """A file is not a readable checkpoint of this package; the message says which and why."""
+
+
+def save_atomic(obj: dict, path: Path | str) -> None:
+    """Write a checkpoint under a temporary name first, so a crash never leaves half a file."""
+    path = Path(path)
+    part = path.with_name(path.name + ".part")
+    torch.save(obj, part)
+    os.replace(part, path)
+
+
+def load_checkpoint(path: Path | str, device: torch.device | str = "cpu") -> dict:
+    """The dict saved at ``path`` (tensors on ``device``), or a :class:`CheckpointError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"cannot read {path}: not a checkpoint written by transformer_tutorial.train "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'empty'})"
+        ) from None
+    if not isinstance(checkpoint, dict) or not {"model", "model_config"} <= set(checkpoint):
+        raise CheckpointError(
+            f"{path} is not a checkpoint written by transformer_tutorial.train "
+            "(no model or model_config)"
+        )
+    return checkpoint
+
+
+def load_model(
+    path: Path | str, device: torch.device | str = "cpu"
+) -> tuple[Transformer, Tokenizer | None, dict]:
+    """Load a checkpoint written by the trainer: the model (in eval mode), its tokenizer (found
+    beside the checkpoint) or None, and the checkpoint's other entries."""
+    path = Path(path)
+    checkpoint = load_checkpoint(path, device)
+    try:
+        config = TransformerConfig(**checkpoint["model_config"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: unusable model config: {err}") from None
+    model = Transformer(config).to(device)
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as err:
+        raise CheckpointError(
+            f"{path}: weights do not fit the model config: {str(err).splitlines()[0]}"
+        ) from None
+    tokenizer = None
+    if checkpoint.get("tokenizer"):
+        tokenizer = load_tokenizer(path.parent / checkpoint["tokenizer"])
+    return model.eval(), tokenizer, checkpoint

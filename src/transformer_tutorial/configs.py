@@ -1,0 +1,129 @@
+"""Chapter 10: named training recipes — a model configuration plus how to train it.
+
+``CONFIGS`` is the one registry of recipes: the trainer's CLI, the chapters and the benchmarks
+all read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from transformer_tutorial.data import PAD_ID
+from transformer_tutorial.model import TransformerConfig
+from transformer_tutorial.optim import paper_peak_lr
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A named recipe: the model (its ``vocab_size`` is the joint BPE vocabulary to train) and how
+    to train it.
+
+    ``max_tokens`` is the padded size of a batch (longest pair × pairs); ``lr`` the peak learning
+    rate; ``eval_every`` also evaluates every so many steps (0: once an epoch); ``train_size`` and
+    ``eval_size`` cut the training set and the test set used for BLEU (None: all);
+    ``beam_size`` and ``alpha`` are the beam search that scores the run.
+    """
+
+    name: str
+    model: TransformerConfig
+    max_tokens: int = 4000
+    lr: float = 1e-3
+    warmup: int = 800
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0
+    epochs: int = 100
+    log_every: int = 20
+    eval_every: int = 0
+    checkpoint_every: int = 200
+    train_size: int | None = None
+    eval_size: int | None = None
+    beam_size: int = 5
+    alpha: float = 0.6
+
+    @property
+    def vocab_size(self) -> int:
+        """The size of the joint source–target vocabulary the tokenizer is trained for."""
+        return self.model.src_vocab_size
+
+    def model_config(self, vocab_size: int) -> TransformerConfig:
+        """The model for a tokenizer of ``vocab_size`` tokens (BPE may learn fewer than asked)."""
+        return replace(self.model, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
+
+
+def translator(vocab_size: int = 8000, **sizes) -> TransformerConfig:
+    """A translator with one joint vocabulary: shared, tied embeddings, pre-norm; ``sizes``
+    override :class:`TransformerConfig`'s fields (its defaults are the paper's base model)."""
+    defaults = dict(
+        d_model=256,
+        n_heads=8,
+        n_encoder_layers=3,
+        n_decoder_layers=3,
+        d_ff=1024,
+        max_len=256,
+        norm_first=True,
+        pad_id=PAD_ID,
+        share_embeddings=True,
+        tie_output=True,
+    )
+    return TransformerConfig(vocab_size, vocab_size, **{**defaults, **sizes})
+
+
+CONFIGS = {
+    # Seconds on a CPU: for tests and CI. Learns little.
+    "tiny": TrainConfig(
+        "tiny",
+        translator(
+            500,
+            d_model=32,
+            n_heads=2,
+            n_encoder_layers=2,
+            n_decoder_layers=2,
+            d_ff=64,
+            max_len=128,
+        ),
+        max_tokens=1000,
+        lr=3e-3,
+        warmup=20,
+        epochs=2,
+        log_every=5,
+        eval_every=20,
+        checkpoint_every=20,
+        train_size=2000,
+        eval_size=50,
+        beam_size=2,
+    ),
+    # Chapter 10's own run on a CPU, two minutes: small made narrower and shallower. It sees less
+    # than one epoch, so no dropout, and many small batches at a higher learning rate.
+    "chapter10": TrainConfig(
+        "chapter10",
+        translator(
+            d_model=128, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=512, dropout=0.0
+        ),
+        max_tokens=1000,
+        lr=3e-3,
+        warmup=50,
+        log_every=5,
+        eval_every=100,
+        checkpoint_every=100,
+        eval_size=100,
+    ),
+    # The CPU reference, an hour on 2 cores: the baseline's model (d_model 256, 3+3 layers) with
+    # batches of 3,000 tokens and a 400-step warm-up, so that the ~1,500 steps an hour allows are
+    # not half spent warming up.
+    "small": TrainConfig("small", translator(), max_tokens=3000, warmup=400),
+    # The paper's base model and schedule (Table 3, section 5.3), for a GPU.
+    "base": TrainConfig(
+        "base",
+        translator(
+            d_model=512,
+            n_heads=8,
+            n_encoder_layers=6,
+            n_decoder_layers=6,
+            d_ff=2048,
+            norm_first=False,
+        ),
+        max_tokens=8000,
+        lr=paper_peak_lr(512, 4000),
+        warmup=4000,
+    ),
+}

@@ -1,0 +1,364 @@
+"""Chapter 10: the training loop — batches, steps, validation, resumable checkpoints.
+
+Nothing here knows about translation beyond "pairs of id sequences": :func:`fit` takes a recipe
+(:class:`~transformer_tutorial.configs.TrainConfig`) and encoded pairs, and writes into
+``out_dir``:
+
+- ``last.pt``: everything needed to resume (weights, optimizer, schedule, :class:`TrainState`,
+  random number generators), saved every ``checkpoint_every`` steps and when training stops;
+- ``best.pt``: the weights with the lowest validation loss so far.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from transformer_tutorial.checkpoint import load_checkpoint, save_atomic
+from transformer_tutorial.configs import TrainConfig
+from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
+from transformer_tutorial.model import Transformer
+from transformer_tutorial.optim import make_optimizer, translation_loss
+from transformer_tutorial.runtime import set_seed
+
+Pairs = Sequence[tuple[Sequence[int], Sequence[int]]]
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved in ``last.pt`` so that a resumed run goes on exactly.
+
+    ``epoch`` counts finished epochs, ``batch_in_epoch`` the batches done in the current one,
+    whose order is drawn from ``epoch_start`` (the batch-order generator's state when it began).
+    The loss sums cover the current logging window and the current epoch.
+    """
+
+    epoch_start: Tensor
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    train_seconds: float = 0.0
+    window_loss: float = 0.0
+    window_tokens: int = 0
+    epoch_loss: float = 0.0
+    epoch_tokens: int = 0
+    best_val_loss: float = math.inf
+    stopped_by: str = ""
+    history: dict[str, list[dict]] = field(
+        default_factory=lambda: {"train": [], "val": [], "epochs": []}
+    )
+
+    def add_loss(self, loss_sum: float, tokens: int) -> None:
+        self.window_loss += loss_sum
+        self.window_tokens += tokens
+        self.epoch_loss += loss_sum
+        self.epoch_tokens += tokens
+
+
+def autocast(device: torch.device) -> torch.autocast:
+    """bf16 mixed precision on CUDA; plain float32 everywhere else."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: Transformer,
+    pairs: Pairs,
+    *,
+    max_tokens: int,
+    label_smoothing: float,
+    device: torch.device,
+) -> float:
+    """The mean loss per target token over ``pairs``, dropout off (training's criterion)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in token_batches(pair_lengths(pairs), max_tokens):
+        src, tgt_in, tgt_out = (x.to(device) for x in collate([pairs[i] for i in batch]))
+        with autocast(device):
+            logits = model(src, tgt_in)  # (B, T, V)
+        total += translation_loss(
+            logits, tgt_out, smoothing=label_smoothing, ignore_index=PAD_ID, reduction="sum"
+        ).item()
+        count += int((tgt_out != PAD_ID).sum())
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def _rng_states() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class Trainer:
+    """One training run of ``config`` on ``train_pairs``, checkpointed into ``out_dir``."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        train_pairs: Pairs,
+        val_pairs: Pairs,
+        *,
+        vocab_size: int,
+        out_dir: Path,
+        device: torch.device,
+        seed: int,
+        tokenizer_file: str | None,
+    ) -> None:
+        self.config, self.train_pairs, self.val_pairs = config, train_pairs, val_pairs
+        self.out_dir, self.device, self.tokenizer_file = out_dir, device, tokenizer_file
+        set_seed(seed)
+        self.model = Transformer(config.model_config(vocab_size)).to(device)
+        self.optimizer, self.schedule = make_optimizer(
+            self.model, lr=config.lr, warmup=config.warmup
+        )
+        self.batch_order = torch.Generator().manual_seed(seed)
+        self.state = TrainState(epoch_start=self.batch_order.get_state())
+        self.lengths = pair_lengths(train_pairs)
+        self.started, self.seconds_before = time.monotonic(), 0.0
+
+    def resume(self) -> None:
+        """Continue from ``out_dir/last.pt`` exactly where it stopped."""
+        saved = load_checkpoint(self.out_dir / "last.pt")
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.schedule.load_state_dict(saved["scheduler"])
+        self.state = TrainState(**saved["state"])
+        _set_rng_states(saved["rng"])
+        self.seconds_before = self.state.train_seconds
+
+    def elapsed(self) -> float:
+        """Seconds of training in this run, earlier sessions of a resumed run included."""
+        return self.seconds_before + time.monotonic() - self.started
+
+    def _checkpoint(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "model_config": asdict(self.model.config),
+            "train_config": asdict(self.config),
+            "tokenizer": self.tokenizer_file,
+            "step": self.state.step,
+            "epochs_completed": self.state.epoch,
+        }
+
+    def save_last(self) -> None:
+        """Write ``last.pt``: everything needed to resume."""
+        self.state.train_seconds = self.elapsed()
+        save_atomic(
+            {
+                **self._checkpoint(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.schedule.state_dict(),
+                "state": asdict(self.state),
+                "rng": _rng_states(),
+            },
+            self.out_dir / "last.pt",
+        )
+
+    def validate(self) -> float:
+        """The validation loss now; ``best.pt`` is rewritten when it is the lowest so far."""
+        state = self.state
+        val_loss = evaluate_loss(
+            self.model,
+            self.val_pairs,
+            max_tokens=self.config.max_tokens,
+            label_smoothing=self.config.label_smoothing,
+            device=self.device,
+        )
+        state.history["val"].append(
+            {
+                "step": state.step,
+                "epoch": state.epoch + 1,
+                "val_loss": val_loss,
+                "elapsed_s": round(self.elapsed(), 1),
+            }
+        )
+        if val_loss < state.best_val_loss:
+            state.best_val_loss = val_loss
+            save_atomic({**self._checkpoint(), "val_loss": val_loss}, self.out_dir / "best.pt")
+        return val_loss
+
+    def train_step(self, batch: Sequence[int]) -> tuple[float, int]:
+        """One optimizer step on the pairs ``batch``; returns (summed loss, target tokens)."""
+        src, tgt_in, tgt_out = (
+            x.to(self.device) for x in collate([self.train_pairs[i] for i in batch])
+        )
+        with autocast(self.device):
+            logits = self.model(src, tgt_in)  # (B, T, V)
+        loss = translation_loss(
+            logits, tgt_out, smoothing=self.config.label_smoothing, ignore_index=PAD_ID
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_norm)
+        self.optimizer.step()
+        self.schedule.step()
+        tokens = int((tgt_out != PAD_ID).sum())
+        return loss.item() * tokens, tokens
+
+    def _after_step(self, bar: tqdm) -> None:
+        """Log, validate and checkpoint on the config's schedule."""
+        config, state = self.config, self.state
+        if state.step % config.log_every == 0:
+            train_loss = state.window_loss / state.window_tokens
+            state.history["train"].append(
+                {
+                    "step": state.step,
+                    "epoch": state.epoch + 1,
+                    "train_loss": train_loss,
+                    "lr": self.schedule.get_last_lr()[0],
+                    "elapsed_s": round(self.elapsed(), 1),
+                }
+            )
+            state.window_loss, state.window_tokens = 0.0, 0
+            bar.set_postfix(loss=f"{train_loss:.3f}")
+        if config.eval_every and state.step % config.eval_every == 0:
+            self.validate()
+        if config.checkpoint_every and state.step % config.checkpoint_every == 0:
+            self.save_last()
+
+    def _end_epoch(self, progress: bool) -> None:
+        state = self.state
+        epoch_loss = state.epoch_loss / max(state.epoch_tokens, 1)
+        val_loss = self.validate()
+        state.history["epochs"].append(
+            {
+                "epoch": state.epoch + 1,
+                "step": state.step,
+                "train_loss": epoch_loss,
+                "val_loss": val_loss,
+                "elapsed_s": round(self.elapsed(), 1),
+            }
+        )
+        if progress:
+            tqdm.write(
+                f"epoch {state.epoch + 1}: step {state.step}, train loss "
+                f"{epoch_loss:.3f}, val loss {val_loss:.3f}, {self.elapsed() / 60:.1f} min"
+            )
+        state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+        state.epoch_start = self.batch_order.get_state()
+        state.epoch_loss, state.epoch_tokens = 0.0, 0
+
+    def run_epoch(self, should_stop: Callable[[], str], progress: bool) -> str:
+        """Train the rest of the current epoch, or until ``should_stop()`` names a reason;
+        returns that reason, or ``""`` when the epoch ended."""
+        state = self.state
+        self.batch_order.set_state(state.epoch_start)
+        batches = token_batches(self.lengths, self.config.max_tokens, generator=self.batch_order)
+        stopped_by = ""
+        with tqdm(
+            total=len(batches),
+            initial=state.batch_in_epoch,
+            leave=False,
+            desc=f"epoch {state.epoch + 1}",
+            disable=not progress,
+            dynamic_ncols=True,
+        ) as bar:
+            for batch in batches[state.batch_in_epoch :]:
+                state.add_loss(*self.train_step(batch))
+                state.step += 1
+                state.batch_in_epoch += 1
+                bar.update()
+                self._after_step(bar)
+                stopped_by = should_stop()
+                if stopped_by:
+                    break
+        if state.batch_in_epoch == len(batches):
+            self._end_epoch(progress)
+        return stopped_by
+
+    def fit(
+        self, *, max_steps: int | None, max_minutes: float | None, progress: bool
+    ) -> TrainState:
+        """Train until ``config.epochs``, ``max_steps`` or ``max_minutes``, then validate and
+        save ``last.pt``."""
+        state = self.state
+        deadline = math.inf if max_minutes is None else self.started + 60 * max_minutes
+
+        def should_stop() -> str:
+            if max_steps is not None and state.step >= max_steps:
+                return "max_steps"
+            return "max_minutes" if time.monotonic() >= deadline else ""
+
+        self.model.train()
+        stopped_by = should_stop() if max_steps is not None else ""
+        while not stopped_by and state.epoch < self.config.epochs:
+            stopped_by = self.run_epoch(should_stop, progress)
+            if not stopped_by:
+                self.save_last()
+        if not state.history["val"] or state.history["val"][-1]["step"] != state.step:
+            self.validate()
+        self.save_last()
+        state.stopped_by = stopped_by or "epochs"
+        return state
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run a recipe, as opposed to what it is (:class:`TrainConfig`).
+
+    Training stops after ``config.epochs`` epochs, ``max_steps`` optimizer steps in all, or
+    ``max_minutes`` of this call, whichever comes first. With ``resume`` it goes on from
+    ``out_dir/last.pt`` exactly as if it had never stopped.
+    """
+
+    device: str = "cpu"
+    seed: int = 0
+    resume: bool = False
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    progress: bool = True
+
+
+def fit(
+    config: TrainConfig,
+    train_pairs: Pairs,
+    val_pairs: Pairs,
+    *,
+    vocab_size: int,
+    out_dir: Path | str,
+    options: RunOptions = RunOptions(),
+    tokenizer_file: str | None = None,
+) -> tuple[Transformer, TrainState]:
+    """Train a model of ``config`` on ``train_pairs`` as ``options`` say; checkpoint into
+    ``out_dir``, always ending with a validation loss and a saved ``last.pt``.
+
+    Returns:
+        The model (last weights) and the :class:`TrainState`.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(
+        config,
+        train_pairs,
+        val_pairs,
+        vocab_size=vocab_size,
+        out_dir=out_dir,
+        device=torch.device(options.device),
+        seed=options.seed,
+        tokenizer_file=tokenizer_file,
+    )
+    if options.resume:
+        trainer.resume()
+    state = trainer.fit(
+        max_steps=options.max_steps, max_minutes=options.max_minutes, progress=options.progress
+    )
+    return trainer.model, state
