@@ -11,7 +11,6 @@ re-executing an unchanged chapter leaves git diff clean apart from real output c
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,9 +18,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from book import toc_chapters  # noqa: E402  (tests/book.py reads _toc.yml)
+from book import toc_chapters  # scripts/book.py, beside this file: reads _toc.yml
 
 
 def execute(path: Path, timeout: int) -> float:

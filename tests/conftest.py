@@ -1,18 +1,46 @@
-"""Shared test setup: where the verified Multi30k copy is.
+"""Fixtures shared by the test files: one torch thread, the Multi30k folder, a tiny model, the
+digit-reversal task, and a tiny trained checkpoint.
 
 Tests that need the corpus read ``MULTI30K_DIR`` (CI sets it). When it is unset and the
 project's shared read-only copy ``../shared/data/multi30k`` exists beside the repository, that
-copy is used; otherwise those tests are skipped.
+copy is used; otherwise those tests are skipped. Mark them ``@pytest.mark.corpus``.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID
+from transformer_tutorial.model import Transformer, TransformerConfig
 
 SHARED_COPY = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of the browser check is ``website``, so ``-m "not website"`` leaves it out."""
+    for item in items:
+        if item.path.name == "test_website.py":
+            item.add_marker(pytest.mark.website)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_thread():
+    """One PyTorch thread for the whole session: the models are tiny, and on a busy shared CPU
+    idle worker threads spinning at each parallel region only slow them down (pytest-xdist runs
+    two test processes side by side instead)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def default_multi30k_dir() -> None:
@@ -25,18 +53,141 @@ def default_multi30k_dir() -> None:
 def multi30k_dir(default_multi30k_dir: None) -> Path:
     """The folder holding the six verified Multi30k files, or skip."""
     if not os.environ.get("MULTI30K_DIR"):
-        pytest.skip(f"Multi30k not available: set MULTI30K_DIR to a folder with the verified files "
-                    f"(none found at {SHARED_COPY})")
+        pytest.skip(
+            "Multi30k not available: set MULTI30K_DIR to a folder with the verified files "
+            f"(none found at {SHARED_COPY})"
+        )
     return Path(os.environ["MULTI30K_DIR"])
 
 
-@pytest.fixture(scope="module")
-def single_thread():
-    """One PyTorch thread for the tests that use it, restored afterwards: their models are tiny, and
-    on a busy shared CPU idle worker threads spinning at each parallel region only slow them down."""
-    import torch
+def tiny_config(**changes) -> TransformerConfig:
+    """Two layers each side, D = 16, 4 heads, no dropout; vocabularies of 11 and 13 tokens."""
+    sizes = dict(
+        src_vocab_size=11,
+        tgt_vocab_size=13,
+        d_model=16,
+        n_heads=4,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        d_ff=32,
+        dropout=0.0,
+        max_len=32,
+        pad_id=PAD_ID,
+    )
+    return TransformerConfig(**(sizes | changes))
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
+@pytest.fixture
+def tiny_model() -> Callable[..., Transformer]:
+    """``tiny_model(seed=0, **changes)``: a seeded :func:`tiny_config` Transformer in eval mode;
+    ``changes`` override config fields."""
+
+    def make(seed: int = 0, **changes) -> Transformer:
+        torch.manual_seed(seed)
+        return Transformer(tiny_config(**changes)).eval()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def package_imports() -> Callable[[str], set[str]]:
+    """``package_imports("checkpoint")``: every module of the package that importing
+    ``transformer_tutorial.checkpoint`` imports, directly or not (read from the source, so no
+    module already imported by another test can hide an import)."""
+
+    def reached(module: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [module]
+        while todo:
+            name = todo.pop()
+            origin = importlib.util.find_spec(f"transformer_tutorial.{name}").origin
+            for node in ast.walk(ast.parse(Path(origin).read_text(encoding="utf-8"))):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                for full in names:
+                    package, _, sub = full.partition(".")
+                    if package == "transformer_tutorial" and sub and sub not in seen:
+                        seen.add(sub)
+                        todo.append(sub)
+        return seen
+
+    return reached
+
+
+@dataclass(frozen=True)
+class DigitReversal:
+    """The sanity task of chapter 9: a sequence of digits in, the same digits reversed out.
+
+    Ids follow :mod:`transformer_tutorial.data`: 0 padding, 1 ``<bos>``, 2 ``<eos>``, and the
+    ten digits are ids 3–12.
+    """
+
+    min_len: int = 3
+    max_len: int = 8
+    vocab_size: int = 13
+
+    def batch(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """src ``(n, max_len)`` padded digits; tgt ``(n, max_len + 2)`` = ``<bos>`` reversed
+        digits ``<eos>``, padded."""
+        lengths = torch.randint(self.min_len, self.max_len + 1, (n,), generator=generator)
+        digits = torch.randint(3, self.vocab_size, (n, self.max_len), generator=generator)
+        positions = torch.arange(self.max_len)
+        is_pad = positions >= lengths[:, None]
+        src = digits.masked_fill(is_pad, PAD_ID)
+        backwards = (lengths[:, None] - 1 - positions).clamp(min=0)
+        reversed_ = src.gather(1, backwards).masked_fill(is_pad, PAD_ID)
+        tgt = torch.cat(
+            [torch.full((n, 1), BOS_ID), reversed_, torch.full((n, 1), PAD_ID)], dim=1
+        )
+        tgt[torch.arange(n), lengths + 1] = EOS_ID
+        return src, tgt
+
+    def pairs(self, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+        """``n`` (digits, reversed digits) id lists, without specials: what the trainer takes."""
+        src, _ = self.batch(n, torch.Generator().manual_seed(seed))
+        pairs = []
+        for row in src.tolist():
+            digits = [x for x in row if x != PAD_ID]
+            pairs.append((digits, digits[::-1]))
+        return pairs
+
+
+@pytest.fixture(scope="session")
+def digit_reversal() -> DigitReversal:
+    return DigitReversal()
+
+
+SENTENCES = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch."]
+TRANSLATIONS = ["A man rides a bike.", "Two dogs play in the snow.", "A woman reads a book."]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """``best.pt`` of one training step of the ``tiny`` recipe on three sentence pairs, written by
+    the real trainer with its ``tokenizer.json`` and ``last.pt`` beside it. Its model's max_len
+    is 24."""
+    from dataclasses import replace
+
+    from transformer_tutorial.configs import CONFIGS
+    from transformer_tutorial.data import encode_pairs, save_tokenizer, train_tokenizer
+    from transformer_tutorial.trainer import RunOptions, fit
+
+    folder = tmp_path_factory.mktemp("run")
+    tokenizer = train_tokenizer(SENTENCES + TRANSLATIONS, vocab_size=80)
+    save_tokenizer(tokenizer, folder / "tokenizer.json")
+    pairs = encode_pairs(tokenizer, SENTENCES, TRANSLATIONS)
+    tiny = CONFIGS["tiny"]
+    config = replace(tiny, model=replace(tiny.model, max_len=24))
+    fit(
+        config,
+        pairs,
+        pairs,
+        vocab_size=tokenizer.get_vocab_size(),
+        out_dir=folder,
+        options=RunOptions(max_steps=1, progress=False),
+        tokenizer_file="tokenizer.json",
+    )
+    return folder / "best.pt"

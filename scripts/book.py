@@ -1,4 +1,12 @@
-"""Facts about the book read from its own files, shared by tests and scripts."""
+"""Facts about the book read from its own files, shared by tests and scripts.
+
+It lives in ``scripts/`` so that both import it as plain ``book`` without editing ``sys.path``:
+a script run as ``python scripts/NAME.py`` has its own folder on ``sys.path`` already, and pytest
+adds ``scripts`` through ``pythonpath`` in ``pyproject.toml``. (The alternative, a ``tests``
+package imported as ``tests.book``, would need every script run with ``python -m`` from the
+repository root, and a top-level package named ``tests`` can collide with one installed by
+another project.)
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # scripts/ → the repository
 
 
 def config() -> dict:
