@@ -1,4 +1,6 @@
-"""Decoding: KV cache == recompute, batched == one by one, beam properties, translate and BLEU."""
+"""Chapter 11, decoding: KV cache == recompute, batched == one by one, min_len, beam size 1 ==
+greedy, a wide beam finds the true maximum, finished hypotheses stay finished, translating text
+(order, mode, budget, bad input) and BLEU."""
 
 from __future__ import annotations
 
@@ -9,20 +11,30 @@ import pytest
 import torch
 from torch import nn
 
-from transformer_tutorial.decode import beam_search, bleu, greedy_decode, length_penalty, strip_eos, translate
+from transformer_tutorial.decode import (
+    EXTRA_DECODE_TOKENS,
+    beam_search,
+    bleu,
+    greedy_decode,
+    length_penalty,
+    strip_eos,
+    translate_sentences,
+)
 from transformer_tutorial.model import Transformer, TransformerConfig
-
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 PAD, BOS, EOS = 0, 1, 2
 IDS = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD)
 
 
-def tiny_model(vocab_size: int = 12, seed: int = 0, sharpen: float = 4.0) -> Transformer:
-    """A random tiny Transformer whose output layer is scaled up, so that its choices are clear-cut."""
+def tiny_model(
+    vocab_size: int = 12, seed: int = 0, sharpen: float = 4.0, max_len: int = 32
+) -> Transformer:
+    """A random one-layer pre-norm Transformer whose output layer is scaled up, so that its
+    choices are clear-cut."""
     torch.manual_seed(seed)
     config = TransformerConfig(vocab_size, vocab_size, d_model=16, n_heads=2, n_encoder_layers=1,
-                               n_decoder_layers=1, d_ff=32, dropout=0.0, max_len=32, norm_first=True)
+                               n_decoder_layers=1, d_ff=32, dropout=0.0, max_len=max_len,
+                               norm_first=True)
     model = Transformer(config).eval()
     with torch.no_grad():
         model.generator.weight.mul_(sharpen)
@@ -37,12 +49,37 @@ def random_src(vocab_size: int, lengths: list[int], seed: int = 1) -> torch.Tens
     return src
 
 
-def test_greedy_kv_cache_equals_recompute():
+@pytest.mark.parametrize("min_len", [0, 16])
+def test_greedy_kv_cache_equals_recompute(min_len):
+    """Also over 16 forced steps (``min_len``), as chapter 11 times it."""
     model = tiny_model()
     src = random_src(12, [5, 3, 7, 1])
-    cached = greedy_decode(model, src, max_len=12, use_cache=True, **IDS)
-    recomputed = greedy_decode(model, src, max_len=12, use_cache=False, **IDS)
+    kwargs = dict(max_len=16, min_len=min_len, **IDS)
+    cached = greedy_decode(model, src, use_cache=True, **kwargs)
+    recomputed = greedy_decode(model, src, use_cache=False, **kwargs)
     assert torch.equal(cached, recomputed)
+    if min_len:
+        assert cached.shape == (4, 16)
+
+
+def eos_loving_model() -> Transformer:
+    """A random model whose output layer prefers <eos> at every step."""
+    model = tiny_model(10, sharpen=1.0)
+    with torch.no_grad():
+        model.generator.bias[EOS] = 50.0
+    return model
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_min_len_rules_out_eos_until_then(use_cache):
+    model = eos_loving_model()
+    src = torch.tensor([[5, 6, 7], [8, 9, PAD]])
+    ids = dict(**IDS, use_cache=use_cache)
+    assert greedy_decode(model, src, max_len=8, **ids).tolist() == [[EOS], [EOS]]
+    out = greedy_decode(model, src, max_len=8, min_len=4, **ids)
+    assert out.shape == (2, 5) and (out[:, :4] != EOS).all() and (out[:, 4] == EOS).all()
+    exactly = greedy_decode(model, src, max_len=6, min_len=6, **ids)
+    assert exactly.shape == (2, 6) and (exactly != EOS).all()
 
 
 def test_greedy_batched_equals_one_by_one_and_stops_at_eos():
@@ -56,15 +93,6 @@ def test_greedy_batched_equals_one_by_one_and_stops_at_eos():
         tokens = batch[row].tolist()
         if EOS in tokens:  # after the first <eos> nothing but padding
             assert all(t == PAD for t in tokens[tokens.index(EOS) + 1 :])
-
-
-def test_greedy_stops_when_every_sentence_has_finished():
-    model = tiny_model()
-    with torch.no_grad():  # make <eos> the only choice
-        model.generator.bias.fill_(-100.0)
-        model.generator.bias[EOS] = 100.0
-    out = greedy_decode(model, random_src(12, [4, 2]), max_len=20, **IDS)
-    assert out.tolist() == [[EOS], [EOS]]
 
 
 def test_beam_size_one_equals_greedy():
@@ -195,13 +223,34 @@ class CharTokenizer:
 def test_translate_keeps_order_restores_mode_and_rejects_bad_input():
     model = tiny_model().train()
     sentences = ["abcdef", "ab", "ghi"]
-    out = translate(model, CharTokenizer(), sentences, max_len=6)
+    out = translate_sentences(model, CharTokenizer(), sentences, max_len=6)
     assert model.training
     src = torch.tensor([[3 + ord(c) - ord("a") for c in "ab"]])
     direct = greedy_decode(model.eval(), src, max_len=6, **IDS)[0].tolist()
     assert out[1] == CharTokenizer().decode_batch([strip_eos(direct)])[0]
-    assert len(translate(model, CharTokenizer(), sentences, beam_size=3, max_len=6)) == 3
+    beam = translate_sentences(model, CharTokenizer(), sentences, beam_size=3, max_len=6)
+    assert len(beam) == 3
     with pytest.raises(ValueError, match="sentence 2 is empty"):
-        translate(model, CharTokenizer(), ["abc", ""])
+        translate_sentences(model, CharTokenizer(), ["abc", ""])
     with pytest.raises(ValueError, match="max_len=32"):
-        translate(model, CharTokenizer(), ["a" * 40])
+        translate_sentences(model, CharTokenizer(), ["a" * 40])
+
+
+def never_ending_model(max_len: int) -> Transformer:
+    """A model that only ever writes letters: <pad>, <bos> and <eos> are ruled out."""
+    model = tiny_model(max_len=max_len)
+    with torch.no_grad():
+        model.generator.bias[[PAD, BOS, EOS]] = -1e4
+    return model
+
+
+@pytest.mark.parametrize("beam_size", [1, 2])
+def test_translate_allows_extra_decode_tokens_beyond_the_source_by_default(beam_size):
+    """A sentence that never ends is cut at the default budget: the longest source in the batch
+    plus EXTRA_DECODE_TOKENS, within the model's max_len."""
+    roomy = never_ending_model(max_len=128)
+    out = translate_sentences(roomy, CharTokenizer(), ["abc", "abcde"], beam_size=beam_size)
+    assert [len(x) for x in out] == [5 + EXTRA_DECODE_TOKENS] * 2
+    cramped = never_ending_model(max_len=20)
+    (out,) = translate_sentences(cramped, CharTokenizer(), ["abcdefghi"], beam_size=beam_size)
+    assert len(out) == 20

@@ -1,6 +1,8 @@
-"""Chapter 9: the whole Transformer — equal to nn.Transformer with our embeddings and generator,
-causal, blind to padding, with shared weights that are one tensor, a frozen config, and a model
-that learns to reverse digits (and fails to once the causal mask is gone)."""
+"""Chapters 7–9: the encoder and decoder stacks and the whole Transformer — equal to PyTorch's
+with copied weights (both ``norm_first`` values), teacher forcing equal to decoding one position
+at a time (recomputed and with the KV cache), masks derived from ``pad_id``, shared weights that
+are one tensor, tensor2tensor's initialisation, a validated frozen config, and a model that
+learns to reverse digits (and cheats once the causal mask is gone)."""
 
 from __future__ import annotations
 
@@ -13,143 +15,254 @@ import torch.nn.functional as F
 from torch import nn
 
 import transformer_tutorial.layers as layers
+from transformer_tutorial.copy_weights import copy_decoder, copy_encoder, copy_transformer
+from transformer_tutorial.data import BOS_ID, PAD_ID
+from transformer_tutorial.layers import DecoderLayer, EncoderLayer
 from transformer_tutorial.masks import causal_mask
-from transformer_tutorial.model import Transformer, TransformerConfig
-from transformer_tutorial.reference import copy_transformer
+from transformer_tutorial.model import Decoder, Encoder, Transformer, TransformerConfig
 
-PAD, BOS, EOS = 0, 1, 2
-V_SRC, V_TGT = 11, 13
+B, S, T, D, H, D_FF, N = 3, 7, 6, 16, 4, 32, 3
 ATOL = 1e-5
 
 
-def tiny_config(**changes) -> TransformerConfig:
-    base = dict(src_vocab_size=V_SRC, tgt_vocab_size=V_TGT, d_model=16, n_heads=4, n_encoder_layers=2,
-                n_decoder_layers=2, d_ff=32, dropout=0.0, max_len=32)
-    return TransformerConfig(**(base | changes))
-
-
-def tiny_model(seed: int = 0, **changes) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(tiny_config(**changes)).eval()
+@pytest.fixture
+def vectors():
+    """Source and target vectors with padding: source lengths 7, 5, 3; target lengths 4, 6, 6."""
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(B, S, D, generator=g)
+    tgt = torch.randn(B, T, D, generator=g)
+    src_pad = torch.zeros(B, S, dtype=torch.bool)
+    src_pad[1, 5:] = True
+    src_pad[2, 3:] = True
+    tgt_pad = torch.zeros(B, T, dtype=torch.bool)
+    tgt_pad[0, 4:] = True
+    return src, tgt, src_pad, tgt_pad
 
 
 @pytest.fixture
-def batch():
-    """Token ids with padding on both sides: src (3, 7), tgt (3, 6)."""
+def ids():
+    """Token ids with padding on both sides: src (3, 7) over 11 tokens, tgt (3, 6) over 13."""
     g = torch.Generator().manual_seed(0)
-    src = torch.randint(3, V_SRC, (3, 7), generator=g)
-    tgt = torch.randint(3, V_TGT, (3, 6), generator=g)
-    tgt[:, 0] = BOS
-    src[1, 5:] = PAD
-    src[2, 3:] = PAD
-    tgt[0, 4:] = PAD
-    tgt[2, 5:] = PAD
+    src = torch.randint(3, 11, (3, 7), generator=g)
+    tgt = torch.randint(3, 13, (3, 6), generator=g)
+    tgt[:, 0] = BOS_ID
+    src[1, 5:] = PAD_ID
+    src[2, 3:] = PAD_ID
+    tgt[0, 4:] = PAD_ID
+    tgt[2, 5:] = PAD_ID
     return src, tgt
 
 
-# --- Equal to PyTorch ----------------------------------------------------------------------------
+def encoder(norm_first: bool, n: int = N) -> Encoder:
+    return Encoder(EncoderLayer(D, H, D_FF, 0.0, norm_first=norm_first) for _ in range(n))
+
+
+def decoder(norm_first: bool, n: int = N) -> Decoder:
+    return Decoder(DecoderLayer(D, H, D_FF, 0.0, norm_first=norm_first) for _ in range(n))
+
+
+# --- the stacks ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_stack_equals_torch(vectors, norm_first):
+    src, _, src_pad, _ = vectors
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(
+        D, H, D_FF, dropout=0.0, batch_first=True, norm_first=norm_first
+    )
+    final_norm = nn.LayerNorm(D) if norm_first else None  # post-norm layers end normalised
+    # enable_nested_tensor=False: otherwise eval() with a padding mask returns zeros at padding.
+    ref = nn.TransformerEncoder(layer, N, norm=final_norm, enable_nested_tensor=False).eval()
+    ours = encoder(norm_first).eval()
+    assert (ours.norm is not None) == norm_first
+    copy_encoder(ours, ref)
+    with torch.no_grad():
+        expected = ref(src, src_key_padding_mask=src_pad)
+        out = ours(src, src_key_padding_mask=src_pad)
+        written_out, weights = ours.forward_with_weights(src, src_key_padding_mask=src_pad)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(written_out, expected, atol=ATOL, rtol=0)
+    assert len(weights) == N and all(w.shape == (B, H, S, S) for w in weights)
+    assert torch.all(weights[-1][2, :, :, 3:] == 0)  # no query looks at padding
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decoder_stack_equals_torch(vectors, norm_first):
+    src, tgt, src_pad, tgt_pad = vectors
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(
+        D, H, D_FF, dropout=0.0, batch_first=True, norm_first=norm_first
+    )
+    final_norm = nn.LayerNorm(D) if norm_first else None
+    ref = nn.TransformerDecoder(layer, N, norm=final_norm).eval()
+    ours = decoder(norm_first).eval()
+    copy_decoder(ours, ref)
+    masks = dict(tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+    with torch.no_grad():
+        expected = ref(tgt, src, tgt_mask=causal_mask(T), tgt_is_causal=True, **masks)
+        out = ours(tgt, src, **masks)
+        written_out, weights = ours.forward_with_weights(tgt, src, **masks)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(written_out, expected, atol=ATOL, rtol=0)
+    assert len(weights) == N
+    for self_w, cross_w in weights:
+        assert self_w.shape == (B, H, T, T) and cross_w.shape == (B, H, T, S)
+
+
+def test_a_stack_needs_a_layer():
+    with pytest.raises(ValueError, match="at least one layer"):
+        Encoder([])
+    with pytest.raises(ValueError, match="at least one layer"):
+        Decoder(iter([]))
+
+
+def decode_three_ways(stack: Decoder, tgt, memory, memory_pad):
+    """Teacher-forced outputs (B, T, D); the last position of each prefix recomputed; KV-cache
+    steps one position at a time."""
+    with torch.no_grad():
+        parallel = stack(tgt, memory, memory_key_padding_mask=memory_pad)
+        recompute = torch.stack(
+            [
+                stack(tgt[:, : t + 1], memory, memory_key_padding_mask=memory_pad)[:, -1]
+                for t in range(T)
+            ],
+            dim=1,
+        )
+        caches = tuple(layer.init_cache(memory) for layer in stack.layers)
+        cached = []
+        for t in range(T):
+            out, caches = stack.step(
+                tgt[:, t : t + 1], caches, memory_key_padding_mask=memory_pad
+            )
+            cached.append(out[:, 0])
+    return parallel, recompute, torch.stack(cached, dim=1)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_teacher_forcing_equals_step_by_step_recomputed_and_with_the_kv_cache(
+    vectors, norm_first
+):
+    src, tgt, src_pad, _ = vectors
+    torch.manual_seed(0)
+    parallel, recompute, cached = decode_three_ways(
+        decoder(norm_first).eval(), tgt, src, src_pad
+    )
+    torch.testing.assert_close(recompute, parallel, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cached, parallel, atol=ATOL, rtol=0)
+
+
+def no_causal_mask(q_len, k_len=None, *, device=None):
+    """A stand-in for ``causal_mask`` that blocks nothing."""
+    return torch.zeros(q_len, k_len or q_len, dtype=torch.bool, device=device)
+
+
+def test_without_the_causal_mask_teacher_forcing_sees_the_future(vectors, monkeypatch):
+    """The check above has teeth: with the causal mask gone, teacher forcing lets each position
+    see later targets, so it no longer equals decoding one position at a time."""
+    src, tgt, src_pad, _ = vectors
+    torch.manual_seed(0)
+    stack = decoder(False).eval()
+    with torch.no_grad():
+        masked = stack(tgt, src, memory_key_padding_mask=src_pad)
+    monkeypatch.setattr(layers, "causal_mask", no_causal_mask)
+    parallel, _, cached = decode_three_ways(stack, tgt, src, src_pad)
+    # A KV-cache step adds one position that may see every key so far: it never needed the mask.
+    torch.testing.assert_close(cached, masked, atol=ATOL, rtol=0)
+    for t in range(T - 1):
+        assert not torch.allclose(parallel[:, t], cached[:, t], atol=1e-3), f"position {t}"
+
+
+# --- the whole model -----------------------------------------------------------------------------
 
 
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_equals_nn_transformer_with_our_embeddings_and_generator(batch, norm_first):
-    src, tgt = batch
+def test_equals_nn_transformer_with_our_embeddings_and_generator(ids, tiny_model, norm_first):
+    src, tgt = ids
     ours = tiny_model(norm_first=norm_first)
     c = ours.config
     torch.manual_seed(1)
-    ref = nn.Transformer(c.d_model, c.n_heads, c.n_encoder_layers, c.n_decoder_layers, c.d_ff, 0.0,
-                         batch_first=True, norm_first=norm_first).eval()
+    ref = nn.Transformer(
+        c.d_model,
+        c.n_heads,
+        c.n_encoder_layers,
+        c.n_decoder_layers,
+        c.d_ff,
+        0.0,
+        batch_first=True,
+        norm_first=norm_first,
+    ).eval()
     ref.encoder.use_nested_tensor = False  # keep padded rows of the memory computed, as ours are
-    if not norm_first:  # nn.Transformer ends both post-norm stacks with a LayerNorm; the paper does not
+    if not norm_first:  # nn.Transformer ends post-norm stacks with a LayerNorm; the paper does not
         ref.encoder.norm = None
         ref.decoder.norm = None
     copy_transformer(ours, ref)
-    src_pad, tgt_pad = src == PAD, tgt == PAD
+    src_pad, tgt_pad = src == PAD_ID, tgt == PAD_ID
     with torch.no_grad():
         logits = ours(src, tgt)
-        hidden = ref(ours.positional(ours.src_embed(src)), ours.positional(ours.tgt_embed(tgt)),
-                     tgt_mask=causal_mask(tgt.size(1)), src_key_padding_mask=src_pad,
-                     tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad, tgt_is_causal=True)
+        hidden = ref(
+            ours.positional(ours.src_embed(src)),
+            ours.positional(ours.tgt_embed(tgt)),
+            tgt_mask=causal_mask(tgt.size(1)),
+            src_key_padding_mask=src_pad,
+            tgt_key_padding_mask=tgt_pad,
+            memory_key_padding_mask=src_pad,
+            tgt_is_causal=True,
+        )
         expected = ours.generator(hidden)
-    assert logits.shape == (3, 6, V_TGT)
+    assert logits.shape == (3, 6, c.tgt_vocab_size)
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
-def test_post_norm_copy_refuses_nn_transformers_extra_final_norm():
-    ours = tiny_model()
-    c = ours.config
-    ref = nn.Transformer(c.d_model, c.n_heads, c.n_encoder_layers, c.n_decoder_layers, c.d_ff, 0.0, batch_first=True)
-    with pytest.raises(ValueError, match="final LayerNorm"):
-        copy_transformer(ours, ref)
-
-
-def test_encode_then_decode_equals_forward(batch):
-    src, tgt = batch
+def test_encode_then_decode_equals_forward(ids, tiny_model):
+    src, tgt = ids
     model = tiny_model()
     with torch.no_grad():
         memory = model.encode(src)
         assert memory.shape == (3, 7, model.config.d_model)
-        logits = model.decode(tgt, memory, memory_key_padding_mask=src == PAD)
+        logits = model.decode(tgt, memory, memory_key_padding_mask=src == PAD_ID)
         torch.testing.assert_close(logits, model(src, tgt), atol=0, rtol=0)
 
 
-# --- Invariants -----------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_causal_changing_a_target_token_leaves_earlier_logits_unchanged(batch, norm_first):
-    src, tgt = batch
+def test_masks_come_from_pad_id_appended_padding_changes_nothing(ids, tiny_model, norm_first):
+    """No mask is passed: the model finds padding by ``pad_id`` on both sides."""
+    src, tgt = ids
     model = tiny_model(norm_first=norm_first)
-    with torch.no_grad():
-        before = model(src, tgt)
-        for t in range(1, 4):
-            changed = tgt.clone()
-            changed[:, t] = changed[:, t] % (V_TGT - 3) + 3  # another real token
-            after = model(src, changed)
-            torch.testing.assert_close(after[:, :t], before[:, :t], atol=ATOL, rtol=0)
-            assert not torch.allclose(after[:, t], before[:, t], atol=1e-3), f"position {t} must see its own token"
-
-
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_appending_padding_leaves_real_logits_unchanged(batch, norm_first):
-    src, tgt = batch
-    model = tiny_model(norm_first=norm_first)
-    more_src = F.pad(src, (0, 4), value=PAD)
-    more_tgt = F.pad(tgt, (0, 3), value=PAD)
+    more_src = F.pad(src, (0, 4), value=PAD_ID)
+    more_tgt = F.pad(tgt, (0, 3), value=PAD_ID)
+    real = tgt != PAD_ID
     with torch.no_grad():
         logits = model(src, tgt)
         for s, t in [(more_src, tgt), (src, more_tgt), (more_src, more_tgt)]:
             padded = model(s, t)[:, : tgt.size(1)]
-            real = tgt != PAD
             torch.testing.assert_close(padded[real], logits[real], atol=ATOL, rtol=0)
 
 
-def test_source_padding_is_ignored_whatever_it_holds(batch):
-    """Padding masks come from pad_id: a different token under an explicit mask changes nothing."""
-    src, tgt = batch
+def test_bad_token_ids_are_refused(tiny_model):
     model = tiny_model()
-    src_pad = src == PAD
-    noisy = src.masked_fill(src_pad, 5)
-    with torch.no_grad():
-        torch.testing.assert_close(model(noisy, tgt, src_key_padding_mask=src_pad), model(src, tgt), atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="valid ids are 0 to 10"):
+        model(torch.tensor([[3, 11]]), torch.tensor([[BOS_ID, 3]]))
+    with pytest.raises(TypeError, match="integer token ids"):
+        model(torch.tensor([[3.0, 4.0]]), torch.tensor([[BOS_ID, 3]]))
+    with pytest.raises(ValueError, match=r"shape \(B, L\)"):
+        model(torch.tensor([3, 4]), torch.tensor([[BOS_ID, 3]]))
 
 
-# --- Shared weights, initialisation, configuration -------------------------------------------------
-
-
-def test_shared_and_tied_weights_are_one_tensor():
-    model = tiny_model(tgt_vocab_size=V_SRC, share_embeddings=True, tie_output=True)
+def test_shared_and_tied_weights_are_one_tensor(tiny_model):
+    V = 11
+    model = tiny_model(tgt_vocab_size=V, share_embeddings=True, tie_output=True)
     assert model.src_embed.weight is model.tgt_embed.weight is model.generator.weight
-    D, V = model.config.d_model, V_SRC
-    untied = tiny_model(tgt_vocab_size=V_SRC)
+    untied = tiny_model(tgt_vocab_size=V)
     n = sum(p.numel() for p in model.parameters())
-    assert sum(p.numel() for p in untied.parameters()) - n == 2 * V * D
+    assert sum(p.numel() for p in untied.parameters()) - n == 2 * V * model.config.d_model
     # One tensor: the gradient of all three uses lands in one .grad.
     model.train()
-    ids = torch.tensor([[BOS, 3, 4, 5]])
-    model(ids, ids).sum().backward()
+    x = torch.tensor([[BOS_ID, 3, 4, 5]])
+    model(x, x).sum().backward()
     assert model.src_embed.weight.grad is model.generator.weight.grad
-    only_shared = tiny_model(tgt_vocab_size=V_SRC, share_embeddings=True)
+    only_shared = tiny_model(tgt_vocab_size=V, share_embeddings=True)
     assert only_shared.src_embed.weight is only_shared.tgt_embed.weight
     assert only_shared.generator.weight is not only_shared.tgt_embed.weight
     only_tied = tiny_model(tie_output=True)
@@ -158,21 +271,24 @@ def test_shared_and_tied_weights_are_one_tensor():
 
 
 @pytest.mark.parametrize("share, tie", [(False, False), (True, True), (False, True)])
-def test_init_normal_embeddings_xavier_matrices_zero_biases_and_padding_rows(share, tie):
-    """tensor2tensor's rule: embedding tables N(0, 1/D), every other matrix Xavier-uniform, biases 0."""
+def test_init_normal_embeddings_xavier_matrices_zero_biases_and_padding_rows(
+    tiny_model, share, tie
+):
+    """tensor2tensor's rule: embedding tables N(0, 1/D), every other matrix Xavier-uniform,
+    biases 0."""
     V, D = 4000, 64  # a table of 256,000 draws pins its std down to well under 1%
-    model = tiny_model(src_vocab_size=V, tgt_vocab_size=V, d_model=D, d_ff=128,
-                       share_embeddings=share, tie_output=tie)
+    model = tiny_model(
+        src_vocab_size=V, tgt_vocab_size=V, d_model=D, d_ff=128, share_embeddings=share,
+        tie_output=tie,
+    )
     tables = [model.src_embed.weight] + ([] if share else [model.tgt_embed.weight])
-    assert (model.src_embed.weight is model.tgt_embed.weight) == share
-    assert (model.generator.weight is model.tgt_embed.weight) == tie
-    std = D ** -0.5
+    std = D**-0.5
     for table in tables:
-        assert torch.all(table[PAD] == 0)
-        real = table[torch.arange(V) != PAD]
+        assert torch.all(table[PAD_ID] == 0)
+        real = table[torch.arange(V) != PAD_ID]
         assert abs(real.std().item() - std) < 0.02 * std  # Xavier would give √(2/(V+D)) ≈ 0.18 std
         assert abs(real.mean().item()) < 0.02 * std
-        # Normal, not uniform: 68.3% of the draws lie within one std (a uniform of that std: 57.7%).
+        # Normal, not uniform: 68.3% of draws lie within one std (a uniform of that std: 57.7%).
         assert abs((real.abs() < std).float().mean().item() - 0.6827) < 0.01
     for name, p in model.named_parameters():
         if any(p is table for table in tables):
@@ -188,17 +304,17 @@ def test_init_normal_embeddings_xavier_matrices_zero_biases_and_padding_rows(sha
             assert torch.all(p == 1), name
 
 
-def test_config_is_frozen_and_validates():
-    config = tiny_config()
+def test_config_is_frozen_and_validates(tiny_model):
+    config = tiny_model().config
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.d_model = 32
     assert dataclasses.replace(config, d_model=32).d_model == 32
     with pytest.raises(ValueError, match="divisible"):
-        tiny_config(d_model=18)
+        dataclasses.replace(config, d_model=18)
     with pytest.raises(ValueError, match="joint vocabulary"):
-        tiny_config(share_embeddings=True)
+        dataclasses.replace(config, share_embeddings=True)
     with pytest.raises(ValueError, match="pad_id"):
-        tiny_config(pad_id=V_SRC)
+        dataclasses.replace(config, pad_id=config.src_vocab_size)
 
 
 def test_paper_base_parameter_count_on_meta_device():
@@ -209,94 +325,80 @@ def test_paper_base_parameter_count_on_meta_device():
         ref = nn.Transformer(512, 8, 6, 6, 2048, batch_first=True)
     D, F_, V = 512, 2048, 37_000
     attention, feed_forward, norm = 4 * (D * D + D), 2 * D * F_ + F_ + D, 2 * D
-    encoder, decoder = 6 * (attention + feed_forward + 2 * norm), 6 * (2 * attention + feed_forward + 3 * norm)
+    encoder = 6 * (attention + feed_forward + 2 * norm)
+    decoder = 6 * (2 * attention + feed_forward + 3 * norm)
     assert sum(p.numel() for p in model.parameters()) == V * D + encoder + decoder + V == 63_119_496
     # nn.Transformer: the same two stacks plus a final LayerNorm on each.
     assert sum(p.numel() for p in ref.parameters()) == encoder + decoder + 2 * norm
 
 
-# --- The sanity task: reverse a sequence of digits --------------------------------------------------
-
-DIGITS, MIN_LEN, MAX_LEN = 10, 3, 8
-V_TASK = 3 + DIGITS
-
-
-def reverse_batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """src (n, MAX_LEN) padded digits; tgt (n, MAX_LEN + 2) = <bos> reversed digits <eos>, padded."""
-    lengths = torch.randint(MIN_LEN, MAX_LEN + 1, (n,), generator=generator)
-    digits = torch.randint(3, V_TASK, (n, MAX_LEN), generator=generator)
-    positions = torch.arange(MAX_LEN)
-    is_pad = positions >= lengths[:, None]
-    src = digits.masked_fill(is_pad, PAD)
-    reversed_ = src.gather(1, (lengths[:, None] - 1 - positions).clamp(min=0)).masked_fill(is_pad, PAD)
-    tgt = torch.cat([torch.full((n, 1), BOS), reversed_, torch.full((n, 1), PAD)], dim=1)
-    tgt[torch.arange(n), lengths + 1] = EOS
-    return src, tgt
+# --- the sanity task: reverse a sequence of digits -----------------------------------------------
 
 
 def greedy(model: Transformer, src: torch.Tensor, steps: int) -> torch.Tensor:
     with torch.no_grad():
         memory = model.encode(src)
-        ys = torch.full((src.size(0), 1), BOS)
+        ys = torch.full((src.size(0), 1), BOS_ID)
         for _ in range(steps):
-            logits = model.decode(ys, memory, memory_key_padding_mask=src == PAD)
+            logits = model.decode(ys, memory, memory_key_padding_mask=src == PAD_ID)
             ys = torch.cat([ys, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return ys[:, 1:]
 
 
-def train_and_score(steps: int, schedule_steps: int = 500) -> tuple[float, float]:
+def train_and_score(task, steps: int, schedule_steps: int = 500) -> tuple[float, float]:
     """Train the chapter's small model for the first ``steps`` steps of a warm-up + linear-decay
     schedule of ``schedule_steps``; return (last loss, greedy exact match)."""
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    config = TransformerConfig(V_TASK, V_TASK, d_model=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
-                               d_ff=128, dropout=0.0, max_len=16, share_embeddings=True, tie_output=True)
+    V = task.vocab_size
+    config = TransformerConfig(
+        V, V, d_model=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=128,
+        dropout=0.0, max_len=16, share_embeddings=True, tie_output=True,
+    )
     model = Transformer(config)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98), eps=1e-9, foreach=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98), eps=1e-9)
     warmup = 30
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / warmup, (schedule_steps - s) / (schedule_steps - warmup)))
+
+    def rate(s: int) -> float:
+        return min((s + 1) / warmup, (schedule_steps - s) / (schedule_steps - warmup))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     for _ in range(steps):
-        src, tgt = reverse_batch(32, generator)
+        src, tgt = task.batch(32, generator)
         logits = model(src, tgt[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, V_TASK), tgt[:, 1:].reshape(-1), ignore_index=PAD)
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=PAD_ID)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
     model.eval()
-    src, tgt = reverse_batch(500, torch.Generator().manual_seed(1234))
+    src, tgt = task.batch(500, torch.Generator().manual_seed(1234))
     out, gold = greedy(model, src, tgt.size(1) - 1), tgt[:, 1:]
-    exact = ((out == gold) | (gold == PAD)).all(dim=1).float().mean().item()
+    exact = ((out == gold) | (gold == PAD_ID)).all(dim=1).float().mean().item()
     return loss.item(), exact
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # matrices this small: splitting each product over threads costs more than it saves
-    yield
-    torch.set_num_threads(threads)
+def test_digit_reversal_batches_are_reversed_digits(digit_reversal):
+    src, tgt = digit_reversal.batch(4, torch.Generator().manual_seed(0))
+    for s, t in zip(src.tolist(), tgt.tolist(), strict=True):
+        digits = [x for x in s if x != PAD_ID]
+        assert t[: len(digits) + 2] == [BOS_ID, *digits[::-1], 2]
+        assert set(t[len(digits) + 2 :]) <= {PAD_ID}
 
 
-def test_reverse_batch_is_reversed_digits():
-    src, tgt = reverse_batch(4, torch.Generator().manual_seed(0))
-    for s, t in zip(src.tolist(), tgt.tolist()):
-        digits = [x for x in s if x != PAD]
-        assert t[: len(digits) + 2] == [BOS, *digits[::-1], EOS]
-        assert set(t[len(digits) + 2 :]) <= {PAD}
-
-
-def test_learns_to_reverse_digits(one_thread):
-    loss, exact = train_and_score(500)
+@pytest.mark.slow
+def test_learns_to_reverse_digits(digit_reversal):
+    loss, exact = train_and_score(digit_reversal, 500)
     assert loss < 0.05
     assert exact >= 0.99, f"greedy exact match {exact:.3f}"
 
 
-def test_without_the_causal_mask_training_cheats_and_decoding_collapses(monkeypatch, one_thread):
+@pytest.mark.slow
+def test_without_the_causal_mask_training_cheats_and_decoding_collapses(
+    digit_reversal, monkeypatch
+):
     """Teacher forcing shows position t the target token t + 1: the loss falls, decoding fails."""
-    monkeypatch.setattr(layers, "causal_mask", lambda q_len, k_len=None, *, device=None: torch.zeros(
-        q_len, k_len or q_len, dtype=torch.bool, device=device))
-    loss, exact = train_and_score(250)
+    monkeypatch.setattr(layers, "causal_mask", no_causal_mask)
+    loss, exact = train_and_score(digit_reversal, 250)
     assert loss < 0.1
     assert exact < 0.1, f"greedy exact match {exact:.3f}"
