@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformer_tutorial.checks import check_int, check_number
 from transformer_tutorial.masks import merge_masks
 
 
@@ -47,6 +48,12 @@ def scaled_dot_product_attention(
             f"q, k, v must all be (B, L, Dk) or all (B, H, L, Dk); got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
+    if k.shape[:-1] != v.shape[:-1] or q.shape[:-2] != k.shape[:-2] or q.size(-1) != k.size(-1):
+        raise ValueError(
+            "q, k, v must agree: k and v the same (B, [H,] S), q the same (B, [H]) and the "
+            f"width Dk of k; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    check_number("dropout_p", dropout_p, low=0.0, high=1.0)
     heads = q.dim() == 4
     blocked = merge_masks(
         attn_mask, key_padding_mask, batch_size=q.size(0), q_len=q.size(-2), k_len=k.size(-2)
@@ -103,7 +110,10 @@ class MultiHeadAttention(nn.Module):
         self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True
     ) -> None:
         super().__init__()
-        if n_heads <= 0 or d_model % n_heads:
+        check_int("d_model", d_model, at_least=1)
+        check_int("n_heads", n_heads, at_least=1)
+        check_number("dropout", dropout, low=0.0, high=1.0)
+        if d_model % n_heads:
             raise ValueError(
                 f"d_model={d_model} must be divisible by n_heads={n_heads}: each head gets "
                 f"d_model // n_heads dimensions. Choose e.g. n_heads in "
@@ -141,18 +151,15 @@ class MultiHeadAttention(nn.Module):
         S = kv.k.size(2)
         q = self._split_heads(self.q_proj(query))  # 1) project: (B, H, L, Dh)
         dropout_p = self.dropout if self.training else 0.0
+        blocked = merge_masks(  # True = blocked, (B or 1, H or 1, L or 1, S)
+            attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S, n_heads=self.n_heads
+        )
         if need_weights:  # 2) attend, written out
+            mask = None if blocked is None else blocked.expand(B, -1, L, S)
             out, weights = scaled_dot_product_attention(
-                q,
-                kv.k,
-                kv.v,
-                attn_mask=attn_mask,
-                key_padding_mask=key_padding_mask,
-                dropout_p=dropout_p,
-                need_weights=True,
+                q, kv.k, kv.v, attn_mask=mask, dropout_p=dropout_p, need_weights=True
             )
         else:  # 2) attend with PyTorch's fused kernel: same function, less memory traffic
-            blocked = merge_masks(attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S)
             allowed = None if blocked is None else ~blocked  # F.sdpa: True = attend
             # (torch >= 2.5 gives a query with no key left zeros, as the written-out path does)
             out = F.scaled_dot_product_attention(
@@ -173,17 +180,7 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Returns ``(output (B, L, D), per-head weights (B, H, L, S) or None)``."""
-        if (
-            query.dim() != 3
-            or key.dim() != 3
-            or value.dim() != 3
-            or query.size(-1) != self.d_model
-        ):
-            raise ValueError(
-                f"expected batch-first (B, L, {self.d_model}) inputs, "
-                f"got query {tuple(query.shape)}, "
-                f"key {tuple(key.shape)}, value {tuple(value.shape)}"
-            )
+        self._check_inputs(query, key, value)
         return self.attend(
             query,
             self.project_kv(key, value),
@@ -191,3 +188,13 @@ class MultiHeadAttention(nn.Module):
             attn_mask=attn_mask,
             need_weights=need_weights,
         )
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        D = self.d_model
+        got = f"got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        if any(x.dim() != 3 or x.size(-1) != D for x in (query, key, value)):
+            raise ValueError(f"query, key and value must be batch-first (B, L, D={D}); {got}")
+        if key.shape[:2] != value.shape[:2]:
+            raise ValueError(f"key and value must have the same (B, S), a value per key; {got}")
+        if query.size(0) != key.size(0):
+            raise ValueError(f"query and key must have the same batch size B; {got}")

@@ -40,7 +40,7 @@ def load_checkpoint(path: Path | str, device: torch.device | str = "cpu") -> dic
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as err:
         raise CheckpointError(
             f"cannot read {path}: not a checkpoint written by transformer_tutorial.train "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'empty'})"
+            f"({type(err).__name__})"
         ) from None
     if not isinstance(checkpoint, dict) or not {"model", "model_config"} <= set(checkpoint):
         raise CheckpointError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from transformer_tutorial.checks import check_int, check_number, check_optional_int
 from transformer_tutorial.data import PAD_ID
 from transformer_tutorial.model import TransformerConfig
 from transformer_tutorial.optim import paper_peak_lr
@@ -39,6 +40,20 @@ class TrainConfig:
     eval_size: int | None = None
     beam_size: int = 5
     alpha: float = 0.6
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, TransformerConfig):
+            raise TypeError(f"model must be a TransformerConfig, got {type(self.model).__name__}")
+        for name in ("max_tokens", "warmup", "epochs", "log_every", "beam_size"):
+            check_int(name, getattr(self, name), at_least=1)
+        for name in ("eval_every", "checkpoint_every"):
+            check_int(name, getattr(self, name), at_least=0)
+        for name in ("train_size", "eval_size"):
+            check_optional_int(name, getattr(self, name), at_least=1)
+        check_number("lr", self.lr, low=0.0, low_open=True)
+        check_number("label_smoothing", self.label_smoothing, low=0.0, high=1.0, high_open=True)
+        check_number("clip_norm", self.clip_norm, low=0.0, low_open=True)
+        check_number("alpha", self.alpha, low=0.0)
 
     @property
     def vocab_size(self) -> int:

@@ -65,9 +65,19 @@ def cache_dir() -> Path:
 
 
 def data_dir() -> Path:
-    """The Multi30k folder: ``$MULTI30K_DIR``, else ``multi30k`` in :func:`cache_dir`."""
+    """The Multi30k folder: ``$MULTI30K_DIR``, else ``multi30k`` in :func:`cache_dir`.
+
+    ``$MULTI30K_DIR`` names a folder that holds the files: one that does not exist is an error,
+    not a place to create (a typo would otherwise download the corpus somewhere unexpected).
+    """
     if os.environ.get("MULTI30K_DIR"):
-        return Path(os.environ["MULTI30K_DIR"]).expanduser()
+        folder = Path(os.environ["MULTI30K_DIR"]).expanduser()
+        if not folder.is_dir():
+            raise DatasetUnavailableError(
+                f"MULTI30K_DIR={os.environ['MULTI30K_DIR']} is not a folder: point it at the "
+                "folder holding the Multi30k files, or unset it to use the cache"
+            )
+        return folder
     return cache_dir() / "multi30k"
 
 

@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
+from transformer_tutorial.checks import check_int, check_number, check_texts
 from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID, pad_batch, token_batches
 from transformer_tutorial.masks import padding_mask
 
@@ -48,6 +49,8 @@ def greedy_decode(
     Shapes:
         src ``(B, S)`` → ``(B, L)``, ``L ≤ max_len``.
     """
+    check_int("max_len", max_len, at_least=1)
+    check_int("min_len", min_len, at_least=0)
     src_key_padding_mask = padding_mask(src, pad_id)
     memory = model.encode(src, src_key_padding_mask)  # (B, S, D)
     ys = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # (B, 1)
@@ -105,6 +108,9 @@ def beam_search(
     Returns:
         The best finished hypothesis of each sentence ``(B, L)`` and its score ``(B,)``.
     """
+    check_int("beam_size", beam_size, at_least=1)
+    check_int("max_len", max_len, at_least=1)
+    check_number("alpha", alpha, low=0.0)
     B, K, device = src.size(0), beam_size, src.device
     src_key_padding_mask = padding_mask(src, pad_id)
     memory = model.encode(src, src_key_padding_mask)  # (B, S, D)
@@ -190,6 +196,9 @@ def translate_sentences(
     :data:`EXTRA_DECODE_TOKENS` more than the longest
     source in the batch, within the model's ``max_len``. Greedy search for ``beam_size=1``.
     """
+    check_texts("sentences", sentences)
+    check_int("beam_size", beam_size, at_least=1)
+    check_int("max_tokens", max_tokens, at_least=1)
     limit = model.config.max_len
     if max_len is not None and not 1 <= max_len <= limit:
         raise ValueError(f"max_len={max_len} must be between 1 and the model's max_len={limit}")
@@ -246,6 +255,10 @@ class BleuScore:
 
 def bleu(hyps: Sequence[str], refs: Sequence[str]) -> BleuScore:
     """Corpus BLEU of detokenised hypotheses against raw references (one reference each)."""
+    check_texts("hyps", hyps)
+    check_texts("refs", refs)
+    if not hyps:
+        raise ValueError("bleu needs at least one hypothesis and its reference, got none")
     if len(hyps) != len(refs):
         raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
     cased = sacrebleu.BLEU()

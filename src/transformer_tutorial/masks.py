@@ -49,11 +49,13 @@ def merge_masks(
     batch_size: int,
     q_len: int,
     k_len: int,
+    n_heads: int | None = None,
 ) -> Tensor | None:
     """Combine an attention mask and a key padding mask into one bool mask, True = blocked.
 
     Args:
-        attn_mask: ``(L, S)`` shared by the batch, or ``(B, L, S)``, or ``(B, H, L, S)``.
+        attn_mask: ``(L, S)`` shared by the batch, or ``(B, L, S)``, or ``(B, H, L, S)``
+            (H = ``n_heads`` when given).
         key_padding_mask: ``(B, S)``, True at padded keys.
 
     Returns:
@@ -70,7 +72,7 @@ def merge_masks(
             expected = (batch_size, q_len, k_len)
             merged = attn_mask[:, None]  # (B, 1, L, S)
         elif attn_mask.dim() == 4:
-            expected = (batch_size, attn_mask.size(1), q_len, k_len)
+            expected = (batch_size, n_heads or attn_mask.size(1), q_len, k_len)
             merged = attn_mask
         else:
             expected = (q_len, k_len)
@@ -78,7 +80,8 @@ def merge_masks(
             raise ValueError(
                 f"attn_mask has shape {tuple(attn_mask.shape)}; "
                 f"expected (L, S) = {(q_len, k_len)}, "
-                f"(B, L, S) = {(batch_size, q_len, k_len)} or (B, H, L, S)"
+                f"(B, L, S) = {(batch_size, q_len, k_len)} or "
+                f"(B, H, L, S) = {(batch_size, n_heads or 'H', q_len, k_len)}"
             )
     if key_padding_mask is not None:
         _check_bool("key_padding_mask", key_padding_mask)

@@ -13,8 +13,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from transformer_tutorial.checks import check_bool, check_choice, check_int, check_number
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding, TokenEmbedding
-from transformer_tutorial.layers import DecoderLayer, EncoderLayer, LayerCache, LayerNorm
+from transformer_tutorial.layers import (
+    ACTIVATIONS,
+    DecoderLayer,
+    EncoderLayer,
+    LayerCache,
+    LayerNorm,
+)
 from transformer_tutorial.masks import padding_mask
 
 
@@ -148,14 +155,34 @@ class TransformerConfig:
     tie_output: bool = False
 
     def __post_init__(self) -> None:
+        for name in (
+            "src_vocab_size",
+            "tgt_vocab_size",
+            "d_model",
+            "n_heads",
+            "n_encoder_layers",
+            "n_decoder_layers",
+            "d_ff",
+            "max_len",
+        ):
+            check_int(name, getattr(self, name), at_least=1)
+        check_number("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
+        check_number("layer_norm_eps", self.layer_norm_eps, low=0.0, low_open=True)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_bool("norm_first", self.norm_first)
+        check_bool("share_embeddings", self.share_embeddings)
+        check_bool("tie_output", self.tie_output)
+        check_int("pad_id", self.pad_id, at_least=0)
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if self.d_model % 2:
+            raise ValueError(f"d_model={self.d_model} must be even (sine/cosine pairs)")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(
                 "share_embeddings needs one joint vocabulary: src_vocab_size "
                 f"{self.src_vocab_size} != tgt_vocab_size {self.tgt_vocab_size}"
             )
-        if not 0 <= self.pad_id < min(self.src_vocab_size, self.tgt_vocab_size):
+        if self.pad_id >= min(self.src_vocab_size, self.tgt_vocab_size):
             raise ValueError(f"pad_id={self.pad_id} is not an id of both vocabularies")
 
 
@@ -252,6 +279,12 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Target ids ``(B, T)`` and memory ``(B, S, D)`` → logits ``(B, T, V)``, all at once."""
         self._check_ids("tgt", tgt, self.config.tgt_vocab_size)
+        D = self.config.d_model
+        if memory.dim() != 3 or memory.size(0) != tgt.size(0) or memory.size(-1) != D:
+            raise ValueError(
+                f"memory must be the encoder's output (B, S, D) = ({tgt.size(0)}, S, {D}) for "
+                f"tgt of shape {tuple(tgt.shape)}, got {tuple(memory.shape)}"
+            )
         if tgt_key_padding_mask is None:
             tgt_key_padding_mask = padding_mask(tgt, self.config.pad_id)
         x = self.positional(self.tgt_embed(tgt))
@@ -273,6 +306,11 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Source ids ``(B, S)``, target ids ``(B, T)`` → logits ``(B, T, V)``
         (teacher forcing)."""
+        if src.dim() == tgt.dim() == 2 and src.size(0) != tgt.size(0):
+            raise ValueError(
+                f"src and tgt must hold the same number of sentences: src has {src.size(0)} "
+                f"rows {tuple(src.shape)}, tgt has {tgt.size(0)} {tuple(tgt.shape)}"
+            )
         if src_key_padding_mask is None:
             src_key_padding_mask = padding_mask(src, self.config.pad_id)
         memory = self.encode(src, src_key_padding_mask)
@@ -294,6 +332,7 @@ class Transformer(nn.Module):
         """New target ids ``(B, T_new)`` after the ``cache.length`` held in ``cache`` → their
         logits ``(B, T_new, V)`` and the grown cache. Equal to :meth:`decode` on the whole prefix.
         """
+        self._check_ids("tgt", tgt, self.config.tgt_vocab_size)
         x = self.positional(self.tgt_embed(tgt), start=cache.length)
         x, layers = self.decoder.step(
             x, cache.layers, memory_key_padding_mask=cache.memory_key_padding_mask

@@ -12,7 +12,7 @@ import torch
 def get_device(prefer: str | None = None) -> torch.device:
     """Return the device to run on: ``prefer`` if given, else CUDA, then Apple's MPS, then CPU."""
     if prefer is not None:
-        return torch.device(prefer)
+        return check_device(prefer)
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
@@ -38,3 +38,23 @@ def set_seed(seed: int) -> torch.Generator:
         np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     return torch.Generator().manual_seed(seed)
+
+
+def check_device(name: str | torch.device) -> torch.device:
+    """``name`` as a device this machine has, or a ``ValueError`` that says which ones it has."""
+    have = ["cpu"]
+    if torch.cuda.is_available():
+        have += ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        have.append("mps")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        msg = f"device {str(name)!r} is not a device name; this machine has {have}"
+        raise ValueError(msg) from None
+    index_ok = device.index is None or (
+        device.type == "cuda" and device.index < torch.cuda.device_count()
+    )
+    if device.type not in have or not index_ok:
+        raise ValueError(f"device {str(name)!r} is not available here; this machine has {have}")
+    return device

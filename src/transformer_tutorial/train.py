@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from transformer_tutorial.checkpoint import load_checkpoint
-from transformer_tutorial.configs import CONFIGS
+from transformer_tutorial.checkpoint import CheckpointError, load_checkpoint
+from transformer_tutorial.configs import CONFIGS, TrainConfig
 from transformer_tutorial.data import DatasetUnavailableError
 from transformer_tutorial.runs import run_experiment
 from transformer_tutorial.runtime import get_device
-from transformer_tutorial.trainer import RunOptions
+from transformer_tutorial.trainer import RunOptions, TrainingInterrupted
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,35 +105,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    config = CONFIGS[args.config]
+class UsageError(Exception):
+    """A mistake in the command line or in its files: shown as one line, no traceback."""
+
+
+def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions, Path]:
+    """Check every argument and the output folder before anything runs, so that no hour of
+    training ends in a bad ``--beam``."""
     overrides = {"epochs": args.epochs, "eval_size": args.eval_size, "beam_size": args.beam}
-    config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    flags = {
+        "epochs": "--epochs",
+        "eval_size": "--eval-size",
+        "beam_size": "--beam",
+        "seed": "--seed",
+        "max_steps": "--max-steps",
+        "max_minutes": "--max-minutes",
+        "device": "--device",
+    }
+    try:
+        config = replace(
+            CONFIGS[args.config], **{k: v for k, v in overrides.items() if v is not None}
+        )
+        options = RunOptions(
+            device=str(get_device(args.device)),
+            seed=args.seed,
+            resume=args.resume,
+            max_steps=args.max_steps,
+            max_minutes=args.max_minutes,
+            progress=not args.no_progress,
+        )
+    except (TypeError, ValueError) as err:  # the checks name the field: say the flag
+        message = str(err)
+        for field, flag in flags.items():
+            message = message.replace(f"{field} must", f"{flag} must", 1)
+        raise UsageError(message) from None
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {args.threads}")
     out_dir = args.out or Path("runs") / args.config
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.resume and not (out_dir / "last.pt").exists():
-        print(
-            f"error: --resume: no checkpoint {out_dir / 'last.pt'} to resume from", file=sys.stderr
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out {out_dir} is a file; name a folder for the run")
+    last = out_dir / "last.pt"
+    if args.resume and not last.exists():
+        raise UsageError(f"--resume: no checkpoint {last} to resume from")
+    if not args.resume and last.exists():
+        raise UsageError(
+            f"{out_dir} already holds a run; pass --resume to continue it or choose another --out"
         )
-        return 1
-    if not args.resume and (out_dir / "last.pt").exists():
-        print(
-            f"error: {out_dir} already holds a run; pass --resume to continue it or "
-            "choose another --out",
-            file=sys.stderr,
-        )
-        return 1
     if args.resume:
-        saved = load_checkpoint(out_dir / "last.pt")["train_config"]
+        saved = load_checkpoint(last)["train_config"]
         if saved["name"] != config.name:
-            print(
-                f"error: {out_dir} holds a {saved['name']!r} run, not {config.name!r}",
-                file=sys.stderr,
-            )
-            return 1
-    device = get_device(args.device)
+            raise UsageError(f"{out_dir} holds a {saved['name']!r} run, not {config.name!r}")
+    return config, options, out_dir
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; expected failures print one line and return 1 (130 on Ctrl-C)."""
+    args = build_parser().parse_args(argv)
     command = [
         sys.executable,
         "-m",
@@ -141,18 +168,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         *(sys.argv[1:] if argv is None else argv),
     ]
     try:
-        options = RunOptions(
-            device=str(device),
-            seed=args.seed,
-            resume=args.resume,
-            max_steps=args.max_steps,
-            max_minutes=args.max_minutes,
-            progress=not args.no_progress,
-        )
+        config, options, out_dir = _prepare(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
         record = run_experiment(config, out_dir=out_dir, options=options, command=command)
-    except DatasetUnavailableError as err:
+    except (UsageError, CheckpointError, DatasetUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except TrainingInterrupted as stop:
+        print(
+            f"interrupted after step {stop.step}: {stop.checkpoint} holds it. Resume with: "
+            f"python -m transformer_tutorial.train --config {args.config} "
+            f"--out {stop.checkpoint.parent} --resume",
+            file=sys.stderr,
+        )
+        return 130
+    except KeyboardInterrupt:
+        print(
+            "interrupted before training started or while scoring; no new checkpoint was written",
+            file=sys.stderr,
+        )
+        return 130
     scores = record.test2016
     print(
         f"{record.steps} steps, {record.train_time_s / 60:.1f} min, "

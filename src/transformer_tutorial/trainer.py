@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import math
 import random
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,11 +26,12 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from transformer_tutorial.checkpoint import load_checkpoint, save_atomic
+from transformer_tutorial.checks import check_int, check_number, check_optional_int
 from transformer_tutorial.configs import TrainConfig
 from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.optim import make_optimizer, translation_loss
-from transformer_tutorial.runtime import set_seed
+from transformer_tutorial.runtime import check_device, set_seed
 
 Pairs = Sequence[tuple[Sequence[int], Sequence[int]]]
 
@@ -61,6 +65,14 @@ class TrainState:
         self.window_tokens += tokens
         self.epoch_loss += loss_sum
         self.epoch_tokens += tokens
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on Ctrl-C or SIGTERM after a whole step; ``last.pt`` holds that step."""
+
+    def __init__(self, step: int, checkpoint: Path) -> None:
+        super().__init__(f"interrupted after step {step}; {checkpoint} holds it")
+        self.step, self.checkpoint = step, checkpoint
 
 
 def autocast(device: torch.device) -> torch.autocast:
@@ -134,6 +146,7 @@ class Trainer:
         self.state = TrainState(epoch_start=self.batch_order.get_state())
         self.lengths = pair_lengths(train_pairs)
         self.started, self.seconds_before = time.monotonic(), 0.0
+        self.stop_signal = ""  # set by Ctrl-C or SIGTERM: stop after the current step
 
     def resume(self) -> None:
         """Continue from ``out_dir/last.pt`` exactly where it stopped."""
@@ -257,6 +270,28 @@ class Trainer:
         state.epoch_start = self.batch_order.get_state()
         state.epoch_loss, state.epoch_tokens = 0.0, 0
 
+    @contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """While training, Ctrl-C and SIGTERM ask for a stop after the current step, so that
+        ``last.pt`` always holds a whole step; a second Ctrl-C stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be set from the main thread
+            return
+
+        def ask_to_stop(signum: int, frame: object) -> None:
+            if self.stop_signal and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum).name
+
+        previous = {
+            sig: signal.signal(sig, ask_to_stop) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
     def run_epoch(self, should_stop: Callable[[], str], progress: bool) -> str:
         """Train the rest of the current epoch, or until ``should_stop()`` names a reason;
         returns that reason, or ``""`` when the epoch ended."""
@@ -294,16 +329,22 @@ class Trainer:
         deadline = math.inf if max_minutes is None else self.started + 60 * max_minutes
 
         def should_stop() -> str:
+            if self.stop_signal:
+                return "interrupted"
             if max_steps is not None and state.step >= max_steps:
                 return "max_steps"
             return "max_minutes" if time.monotonic() >= deadline else ""
 
         self.model.train()
         stopped_by = should_stop() if max_steps is not None else ""
-        while not stopped_by and state.epoch < self.config.epochs:
-            stopped_by = self.run_epoch(should_stop, progress)
-            if not stopped_by:
-                self.save_last()
+        with self._stop_on_signals():
+            while not stopped_by and state.epoch < self.config.epochs:
+                stopped_by = self.run_epoch(should_stop, progress)
+                if not stopped_by:
+                    self.save_last()
+        if stopped_by == "interrupted":
+            self.save_last()
+            raise TrainingInterrupted(state.step, self.out_dir / "last.pt")
         if not state.history["val"] or state.history["val"][-1]["step"] != state.step:
             self.validate()
         self.save_last()
@@ -326,6 +367,13 @@ class RunOptions:
     max_steps: int | None = None
     max_minutes: float | None = None
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("seed", self.seed, at_least=0)
+        check_optional_int("max_steps", self.max_steps, at_least=1)
+        if self.max_minutes is not None:
+            check_number("max_minutes", self.max_minutes, low=0.0, low_open=True)
+        check_device(self.device)
 
 
 def fit(

@@ -75,17 +75,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(f"--beam must be at least 1, got {args.beam}")
     if args.max_len is not None and args.max_len < 1:
         return fail(f"--max-len must be at least 1, got {args.max_len}")
+    if not args.alpha >= 0:
+        return fail(f"--alpha must be at least 0, got {args.alpha}")
+    try:
+        device = get_device(args.device)
+    except ValueError as err:
+        return fail(f"--device: {err}")
     if args.text:
         sentences, where = args.text, "argument"
     else:
-        sentences, where = [line.rstrip("\r\n") for line in sys.stdin], "line"
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return fail(
+                f"standard input is not UTF-8 text (byte {data[err.start]:#04x} at "
+                f"offset {err.start}); convert it, e.g. with iconv -t utf-8"
+            )
+        sentences, where = text.splitlines(), "line"
     if not sentences:
         return fail("no text: pass German sentences as arguments or on standard input")
     for i, sentence in enumerate(sentences, start=1):
         if not sentence.strip():
             return fail(f"{where} {i} is empty")
     try:
-        model, tokenizer, _ = load_model(args.checkpoint, get_device(args.device))
+        model, tokenizer, _ = load_model(args.checkpoint, device)
     except CheckpointError as err:
         return fail(str(err))
     except (OSError, ValueError) as err:  # the tokenizer beside it is missing or unreadable
