@@ -117,6 +117,32 @@ def package_imports() -> Callable[[str], set[str]]:
     return reached
 
 
+def _help_entries(text: str) -> dict[str, str]:
+    """The arguments listed in argparse's ``--help`` text → their help, joined into one line.
+
+    An entry starts two spaces in (``  --beam BEAM  beam size…``); its help follows after a gap
+    on the same line or on the deeper-indented lines below it.
+    """
+    entries: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            invocation, _, help_ = line.strip().partition("  ")
+            current = entries.setdefault(invocation, [])
+            current.append(help_.strip())
+        elif line.startswith("   ") and current is not None:
+            current.append(line.strip())
+        else:
+            current = None
+    return {k: " ".join(x for x in v if x) for k, v in entries.items()}
+
+
+@pytest.fixture(scope="session")
+def help_entries() -> Callable[[str], dict[str, str]]:
+    """``help_entries(text)``: each argument shown in an argparse ``--help`` text → its help."""
+    return _help_entries
+
+
 @dataclass(frozen=True)
 class DigitReversal:
     """The sanity task of chapter 9: a sequence of digits in, the same digits reversed out.
@@ -139,9 +165,7 @@ class DigitReversal:
         src = digits.masked_fill(is_pad, PAD_ID)
         backwards = (lengths[:, None] - 1 - positions).clamp(min=0)
         reversed_ = src.gather(1, backwards).masked_fill(is_pad, PAD_ID)
-        tgt = torch.cat(
-            [torch.full((n, 1), BOS_ID), reversed_, torch.full((n, 1), PAD_ID)], dim=1
-        )
+        tgt = torch.cat([torch.full((n, 1), BOS_ID), reversed_, torch.full((n, 1), PAD_ID)], dim=1)
         tgt[torch.arange(n), lengths + 1] = EOS_ID
         return src, tgt
 
@@ -160,7 +184,11 @@ def digit_reversal() -> DigitReversal:
     return DigitReversal()
 
 
-SENTENCES = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch."]
+SENTENCES = [
+    "Ein Mann fährt Fahrrad.",
+    "Zwei Hunde spielen im Schnee.",
+    "Eine Frau liest ein Buch.",
+]
 TRANSLATIONS = ["A man rides a bike.", "Two dogs play in the snow.", "A woman reads a book."]
 
 

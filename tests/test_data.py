@@ -1,4 +1,5 @@
-"""Data: where files live, checksums, downloads (served from 127.0.0.1), the tokenizer, Vocab, batching."""
+"""Chapter 10's data: where files live, checksums, downloads (served from 127.0.0.1), the
+tokenizer, the word Vocab, token-count batches and collation."""
 
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ import torch
 
 from transformer_tutorial import data
 from transformer_tutorial.data import (
-    BOS_ID, EOS_ID, PAD_ID, SPECIALS, UNK_ID, ChecksumMismatchError, DatasetUnavailableError, Vocab,
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    SPECIALS,
+    UNK_ID,
+    ChecksumMismatchError,
+    DatasetUnavailableError,
+    Vocab,
 )
-
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 FILES = sorted(data.expected_checksums())
 
@@ -34,28 +40,38 @@ def test_data_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TRANSFORMER_TUTORIAL_CACHE", str(tmp_path / "cache"))
     assert data.data_dir() == tmp_path / "cache" / "multi30k"
     monkeypatch.setenv("MULTI30K_DIR", str(tmp_path / "m30k"))
+    with pytest.raises(DatasetUnavailableError, match="is not a folder"):
+        data.data_dir()  # a typo must not download the corpus somewhere unexpected
+    (tmp_path / "m30k").mkdir()
     assert data.data_dir() == tmp_path / "m30k"
 
 
+@pytest.mark.corpus
 def test_package_checksums_cover_the_six_files(multi30k_dir):
     splits = ("train", "val", "test_2016_flickr")
-    assert FILES == sorted(f"{split}.{lang}.gz" for split in splits for lang in ("de", "en"))
-    shipped = (multi30k_dir / "SHA256SUMS")
+    assert sorted(f"{split}.{lang}.gz" for split in splits for lang in ("de", "en")) == FILES
+    shipped = multi30k_dir / "SHA256SUMS"
     if shipped.exists():
         lines = shipped.read_text().splitlines()
-        assert data.expected_checksums() == {name: digest for digest, name in (line.split() for line in lines)}
+        assert data.expected_checksums() == {
+            name: digest for digest, name in (line.split() for line in lines)
+        }
 
 
+@pytest.mark.corpus
 def test_read_only_folder_with_verified_files_works(multi30k_dir):
     before = sorted(os.listdir(multi30k_dir))
     for name in FILES:
-        assert data.fetch(name, root=multi30k_dir, url_base="http://127.0.0.1:9") == multi30k_dir / name
+        assert (
+            data.fetch(name, root=multi30k_dir, url_base="http://127.0.0.1:9")
+            == multi30k_dir / name
+        )
     assert sorted(os.listdir(multi30k_dir)) == before
 
 
 def test_a_damaged_file_in_the_cache_is_rejected(tmp_path):
     (tmp_path / "val.de.gz").write_bytes(b"not the real file")
-    with pytest.raises(ChecksumMismatchError, match="val.de.gz has SHA-256"):
+    with pytest.raises(ChecksumMismatchError, match=r"val\.de\.gz has SHA-256"):
         data.fetch("val.de.gz", root=tmp_path)
 
 
@@ -113,6 +129,7 @@ def server(multi30k_dir):
     server.httpd.server_close()
 
 
+@pytest.mark.corpus
 def test_download_is_verified_and_lands_under_its_final_name(server, tmp_path):
     path = data.fetch("val.en.gz", root=tmp_path / "new" / "folder", url_base=server.url)
     assert path.read_bytes() == (server.source / "val.en.gz").read_bytes()
@@ -120,6 +137,7 @@ def test_download_is_verified_and_lands_under_its_final_name(server, tmp_path):
     assert os.listdir(path.parent) == ["val.en.gz"]
 
 
+@pytest.mark.corpus
 def test_corrupted_download_is_rejected_and_nothing_else_is_touched(server, tmp_path):
     data.fetch("val.en.gz", root=tmp_path, url_base=server.url)
     kept = (tmp_path / "val.en.gz").stat()
@@ -130,6 +148,7 @@ def test_corrupted_download_is_rejected_and_nothing_else_is_touched(server, tmp_
     assert (tmp_path / "val.en.gz").stat().st_mtime_ns == kept.st_mtime_ns
 
 
+@pytest.mark.corpus
 def test_dropped_connection_leaves_no_half_file(server, tmp_path):
     server.drop.add("train.de.gz")
     with pytest.raises(DatasetUnavailableError, match="stopped after"):
@@ -139,12 +158,15 @@ def test_dropped_connection_leaves_no_half_file(server, tmp_path):
     assert data.fetch("train.de.gz", root=tmp_path, url_base=server.url).exists()
 
 
+@pytest.mark.corpus
 def test_splits_have_the_published_sizes(multi30k_dir):
     for split, size in data.SPLIT_SIZES.items():
         src, tgt = data.load_split(split)
         assert len(src) == len(tgt) == size and all(isinstance(s, str) and s for s in src + tgt)
     src, tgt = data.load_split("test")
-    assert src[0].startswith("Ein Mann mit einem orangefarbenen Hut") and tgt[0].startswith("A man in an orange hat")
+    assert src[0].startswith("Ein Mann mit einem orangefarbenen Hut") and tgt[0].startswith(
+        "A man in an orange hat"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -153,14 +175,21 @@ def tokenizer(multi30k_dir):
     return data.train_tokenizer(src + tgt, 8000)
 
 
+@pytest.mark.corpus
 def test_tokenizer_has_fixed_specials_and_round_trips_the_test_set(tokenizer, tmp_path):
     assert tokenizer.get_vocab_size() == 8000
-    assert [tokenizer.token_to_id(t) for t in SPECIALS] == [PAD_ID, BOS_ID, EOS_ID, UNK_ID] == [0, 1, 2, 3]
+    assert (
+        [tokenizer.token_to_id(t) for t in SPECIALS]
+        == [PAD_ID, BOS_ID, EOS_ID, UNK_ID]
+        == [0, 1, 2, 3]
+    )
     src, tgt = data.load_split("test")
     sentences = src + tgt
     encoded = [e.ids for e in tokenizer.encode_batch(sentences)]
     decoded = tokenizer.decode_batch(encoded)
-    assert [d for s, d in zip(sentences, decoded) if d != unicodedata.normalize("NFKC", s)] == []
+    assert [
+        d for s, d in zip(sentences, decoded, strict=True) if d != unicodedata.normalize("NFKC", s)
+    ] == []
     assert data.unk_rate(encoded) == 0.0
     data.save_tokenizer(tokenizer, tmp_path / "tokenizer.json")
     again = data.load_tokenizer(tmp_path / "tokenizer.json")
@@ -168,14 +197,17 @@ def test_tokenizer_has_fixed_specials_and_round_trips_the_test_set(tokenizer, tm
 
 
 def test_word_vocab_and_unknown_rate():
-    vocab = Vocab.build(["a dog runs .", "a cat runs", "a dog sits"], tokenize=str.split, min_freq=2)
+    vocab = Vocab.build(
+        ["a dog runs .", "a cat runs", "a dog sits"], tokenize=str.split, min_freq=2
+    )
     assert vocab.itos == [*SPECIALS, "a", "dog", "runs"]
     assert vocab.encode(["a", "bird"]) == [4, vocab.unk_id] and vocab.unk_id == UNK_ID
-    assert data.unk_rate([vocab.encode("a bird runs".split())]) == pytest.approx(1 / 3)
+    assert data.unk_rate([vocab.encode(["a", "bird", "runs"])]) == pytest.approx(1 / 3)
     assert data.word_tokenize("Ein Hund, der läuft.") == ["Ein", "Hund", ",", "der", "läuft", "."]
     assert len(Vocab(Counter({"x": 1}))) == 5
 
 
+@pytest.mark.corpus
 def test_word_vocab_meets_unknown_words_on_the_test_set(multi30k_dir):
     vocab = Vocab.build(data.load_split("train")[0], min_freq=2)
     test_src = data.load_split("test")[0]
@@ -184,15 +216,19 @@ def test_word_vocab_meets_unknown_words_on_the_test_set(multi30k_dir):
 
 def test_batches_cover_every_pair_once_and_respect_the_budget():
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(1, 40, (1000,), generator=g).tolist() + [300]
+    lengths = [*torch.randint(1, 40, (1000,), generator=g).tolist(), 300]
     for bucket in (True, False):
-        batches = data.token_batches(lengths, 600, generator=torch.Generator().manual_seed(1), bucket=bucket)
+        batches = data.token_batches(
+            lengths, 600, generator=torch.Generator().manual_seed(1), bucket=bucket
+        )
         assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
         assert all(max(lengths[i] for i in b) * len(b) <= 600 or len(b) == 1 for b in batches)
     first = data.token_batches(lengths, 600, generator=torch.Generator().manual_seed(1))
     assert first == data.token_batches(lengths, 600, generator=torch.Generator().manual_seed(1))
     assert first != data.token_batches(lengths, 600, generator=torch.Generator().manual_seed(2))
-    random_order = data.token_batches(lengths, 600, generator=torch.Generator().manual_seed(1), bucket=False)
+    random_order = data.token_batches(
+        lengths, 600, generator=torch.Generator().manual_seed(1), bucket=False
+    )
     assert data.pad_share(first, lengths) < 0.05 < data.pad_share(random_order, lengths)
     assert data.token_batches([3, 1, 2], 100) == [[1, 2, 0]]
 

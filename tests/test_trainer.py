@@ -1,124 +1,120 @@
-"""Training: label smoothing == PyTorch, the schedule, the configs, checkpoints, and resume == uninterrupted."""
+"""Chapter 10's training loop: a resumed run equals an uninterrupted one, checkpoints hold what
+resuming needs, the time budget and the epochs stop it, training time is counted once, and the
+validation loss is training's criterion with dropout off."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from transformer_tutorial.data import pair_lengths, token_batches
-from transformer_tutorial.model import Transformer
-from transformer_tutorial.train import (
-    CONFIGS, fit, label_smoothing_loss, load_model, make_optimizer, paper_peak_lr, warmup_inverse_sqrt,
+from transformer_tutorial import trainer
+from transformer_tutorial.configs import CONFIGS
+from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
+from transformer_tutorial.optim import translation_loss
+from transformer_tutorial.trainer import RunOptions, TrainState, evaluate_loss, fit
+
+VOCAB = 13  # the digit-reversal task's
+CONFIG = replace(
+    CONFIGS["tiny"],
+    max_tokens=60,
+    epochs=3,
+    log_every=2,
+    eval_every=3,
+    checkpoint_every=4,
 )
-
-pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
-def test_label_smoothing_loss_equals_pytorch(smoothing):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(40, 17, generator=g, requires_grad=True)
-    target = torch.randint(0, 17, (40,), generator=g)
-    target[::3] = 0  # some padding
-    ours = label_smoothing_loss(logits, target, smoothing=smoothing, ignore_index=0)
-    torch_loss = F.cross_entropy(logits, target, label_smoothing=smoothing, ignore_index=0)
-    torch.testing.assert_close(ours, torch_loss)
-    (grad_ours,) = torch.autograd.grad(ours, logits)
-    (grad_torch,) = torch.autograd.grad(torch_loss, logits)
-    torch.testing.assert_close(grad_ours, grad_torch)
+SEED = 3
 
 
-def test_schedule_warms_up_linearly_then_decays_as_inverse_sqrt():
-    warmup = 100
-    lrs = [warmup_inverse_sqrt(step, warmup=warmup) for step in range(400)]
-    assert lrs[0] == pytest.approx(1 / warmup)
-    assert max(lrs) == lrs[warmup - 1] == pytest.approx(1.0)
-    assert lrs[4 * warmup - 1] == pytest.approx(0.5)
-    assert all(a < b for a, b in zip(lrs[: warmup - 1], lrs[1:warmup]))
+@pytest.fixture(scope="module")
+def pairs(digit_reversal):
+    """(training pairs, validation pairs) of the digit-reversal task."""
+    return digit_reversal.pairs(48, seed=1), digit_reversal.pairs(12, seed=2)
 
 
-def test_peak_times_multiplier_is_the_papers_schedule_in_lambdalr():
-    d_model, warmup = 512, 4000
-    config = CONFIGS["base"]
-    optimizer, schedule = make_optimizer(torch.nn.Linear(1, 1), config)
-    assert optimizer.defaults["betas"] == (0.9, 0.98) and optimizer.defaults["eps"] == 1e-9
-    assert config.lr == paper_peak_lr(d_model, warmup)
-    for step_num in range(1, 6001):  # the paper counts steps from 1
-        paper = d_model**-0.5 * min(step_num**-0.5, step_num * warmup**-1.5)
-        if step_num in (1, 2, 3999, 4000, 4001, 6000):
-            assert schedule.get_last_lr()[0] == pytest.approx(paper, rel=1e-12)
-        optimizer.step()
-        schedule.step()
+def train(pairs, out_dir, **options) -> tuple[torch.nn.Module, TrainState]:
+    train_pairs, val_pairs = pairs
+    options = RunOptions(seed=SEED, progress=False, **options)
+    return fit(CONFIG, train_pairs, val_pairs, vocab_size=VOCAB, out_dir=out_dir, options=options)
 
 
-def test_small_config_is_the_cpu_reference():
-    small = CONFIGS["small"]
-    layers = (small.n_encoder_layers, small.n_decoder_layers)
-    assert (small.d_model, layers, small.n_heads, small.d_ff) == (256, (3, 3), 8, 1024)
-    assert (small.dropout, small.norm_first, small.vocab_size, small.share_embeddings) == (0.1, True, 8000, True)
-    # The baseline's optimiser with smaller batches and half its warm-up: an hour on 2 CPU cores
-    # is ~1,500 steps, and 800 of them warming up left the baseline's model undertrained.
-    schedule = (small.max_tokens, small.lr, small.warmup, small.label_smoothing, small.clip_norm)
-    assert schedule == (3000, 1e-3, 400, 0.1, 1.0)
-    model = Transformer(small.model_config(8000))
-    assert model.generator.weight is model.src_embed.weight is model.tgt_embed.weight
-    assert 7.5e6 < sum(p.numel() for p in model.parameters()) < 7.7e6
-    assert CONFIGS["base"].d_model == 512 and CONFIGS["base"].n_encoder_layers == 6
-
-
-def synthetic_pairs(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """Reverse-the-sequence pairs over ids 4..19."""
-    g = torch.Generator().manual_seed(seed)
-    pairs = []
-    for _ in range(n):
-        src = torch.randint(4, 20, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-        pairs.append((src, src[::-1]))
-    return pairs
-
-
-CONFIG = replace(CONFIGS["tiny"], vocab_size=20, max_tokens=60, epochs=3, log_every=2, eval_every=3,
-                 checkpoint_every=4)
-TRAIN, VAL = synthetic_pairs(48, seed=1), synthetic_pairs(12, seed=2)
-
-
-def train(out_dir, **kwargs):
-    return fit(CONFIG, TRAIN, VAL, vocab_size=20, out_dir=out_dir, seed=3, progress=False, **kwargs)
-
-
-def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
-    first_epoch = len(token_batches(pair_lengths(TRAIN), CONFIG.max_tokens, generator=torch.Generator().manual_seed(3)))
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(pairs, tmp_path):
+    lengths = pair_lengths(pairs[0])
+    first_epoch = len(
+        token_batches(lengths, CONFIG.max_tokens, generator=torch.Generator().manual_seed(SEED))
+    )
     total = first_epoch + 5
-    straight, straight_state = train(tmp_path / "straight", max_steps=total)
+    straight, straight_state = train(pairs, tmp_path / "straight", max_steps=total)
     # Stop mid-epoch, then exactly at the end of the first epoch, then run to the end.
     for stop, resume in ((first_epoch - 2, False), (first_epoch, True), (total, True)):
-        resumed, state = train(tmp_path / "resumed", max_steps=stop, resume=resume)
-        assert state["step"] == stop and state["stopped_by"] == "max_steps"
-    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        resumed, state = train(pairs, tmp_path / "resumed", max_steps=stop, resume=resume)
+        assert state.step == stop and state.stopped_by == "max_steps"
+    for (name, a), b in zip(
+        straight.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), name
-    losses = [entry["train_loss"] for entry in straight_state["history"]["train"]]
-    assert losses == [entry["train_loss"] for entry in state["history"]["train"]]
-    assert [e["epoch"] for e in state["history"]["epochs"]] == [1]
+    losses = [entry["train_loss"] for entry in straight_state.history["train"]]
+    assert losses == [entry["train_loss"] for entry in state.history["train"]]
+    assert [e["epoch"] for e in state.history["epochs"]] == [1]
 
 
-def test_checkpoints_history_and_time_budget(tmp_path):
-    model, state = train(tmp_path, max_minutes=0.0)
-    assert state["step"] == 1 and state["stopped_by"] == "max_minutes"
+def test_checkpoints_history_time_budget_and_epochs(pairs, tmp_path):
+    _, state = train(pairs, tmp_path, max_minutes=1e-9)  # over after the first step
+    assert state.step == 1 and state.stopped_by == "max_minutes"
     assert {"last.pt", "best.pt"} <= {p.name for p in tmp_path.iterdir()}
     last = torch.load(tmp_path / "last.pt", weights_only=True)
-    assert {"model", "model_config", "train_config", "optimizer", "scheduler", "state", "rng", "tokenizer"} <= set(last)
-    assert {"torch", "python", "cuda"} <= set(last["rng"]) and "epoch_start" in last["state"]
-    _, state = train(tmp_path, resume=True, max_steps=1)
-    assert state["step"] == 1 and state["stopped_by"] == "max_steps"
-    model, state = train(tmp_path, resume=True)
-    assert state["stopped_by"] == "epochs" and state["epoch"] == CONFIG.epochs
-    history = state["history"]
+    resumable = {"model", "model_config", "train_config", "optimizer", "scheduler", "state", "rng"}
+    assert resumable <= set(last)
+    assert TrainState(**last["state"]).step == 1
+    _, state = train(pairs, tmp_path, resume=True, max_steps=1)
+    assert state.step == 1 and state.stopped_by == "max_steps"
+    _, state = train(pairs, tmp_path, resume=True)
+    assert state.stopped_by == "epochs" and state.epoch == CONFIG.epochs
+    history = state.history
     assert len(history["epochs"]) == CONFIG.epochs and history["train"] and history["val"]
     assert all(math.isfinite(e["val_loss"]) for e in history["epochs"])
-    best_loss = min(e["val_loss"] for e in history["val"])
-    loaded, tokenizer, checkpoint = load_model(tmp_path / "best.pt")
-    assert checkpoint["val_loss"] == best_loss and tokenizer is None and not loaded.training
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert best["val_loss"] == min(e["val_loss"] for e in history["val"]) == state.best_val_loss
     assert history["epochs"][-1]["train_loss"] < history["epochs"][0]["train_loss"]
+
+
+def test_training_time_is_counted_once(pairs, tmp_path, monkeypatch):
+    """With a clock that ticks one second per reading, the recorded training time cannot exceed
+    the number of readings (counting the time before a checkpoint twice would)."""
+    clock = itertools.count()
+    readings = []
+    monkeypatch.setattr(
+        trainer.time, "monotonic", lambda: readings.append(1) or float(next(clock))
+    )
+    config = replace(CONFIG, epochs=2, checkpoint_every=2)
+    train_pairs = pairs[0][:18]
+    _, state = fit(
+        config,
+        train_pairs,
+        pairs[1][:3],
+        vocab_size=VOCAB,
+        out_dir=tmp_path,
+        options=RunOptions(progress=False),
+    )
+    assert state.step > 2 * config.checkpoint_every
+    assert 0 < state.train_seconds <= len(readings)
+    elapsed = [e["elapsed_s"] for e in state.history["train"]]
+    assert elapsed == sorted(elapsed) and elapsed[-1] <= len(readings)
+
+
+def test_evaluate_loss_is_the_training_criterion_per_token_with_dropout_off(pairs, tiny_model):
+    model = tiny_model(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, dropout=0.5).train()
+    val = pairs[1]
+    loss = evaluate_loss(
+        model, val, max_tokens=10_000, label_smoothing=0.1, device=torch.device("cpu")
+    )
+    assert model.training  # its mode is given back
+    src, tgt_in, tgt_out = collate(val)
+    with torch.no_grad():
+        expected = translation_loss(
+            model.eval()(src, tgt_in), tgt_out, smoothing=0.1, ignore_index=PAD_ID
+        )
+    assert loss == pytest.approx(expected.item(), rel=1e-5)

@@ -1,0 +1,76 @@
+"""Chapter 10, what training optimises: label smoothing by hand == PyTorch's, the fused training
+loss == the hand-written one, the warm-up schedule, and Adam with the paper's settings."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformer_tutorial.optim import (
+    label_smoothing_loss,
+    make_optimizer,
+    paper_peak_lr,
+    translation_loss,
+    warmup_inverse_sqrt,
+)
+
+PAD = 0
+
+
+def _logits_and_target(seed: int = 0, shape: tuple[int, ...] = (40,), vocab: int = 17):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, vocab, generator=g, requires_grad=True)
+    target = torch.randint(0, vocab, shape, generator=g)
+    target.view(-1)[::3] = PAD  # some padding
+    return logits, target
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+def test_label_smoothing_loss_equals_pytorch_value_and_gradient(smoothing):
+    logits, target = _logits_and_target()
+    ours = label_smoothing_loss(logits, target, smoothing=smoothing, ignore_index=PAD)
+    torch_loss = F.cross_entropy(logits, target, label_smoothing=smoothing, ignore_index=PAD)
+    torch.testing.assert_close(ours, torch_loss)
+    (grad_ours,) = torch.autograd.grad(ours, logits)
+    (grad_torch,) = torch.autograd.grad(torch_loss, logits)
+    torch.testing.assert_close(grad_ours, grad_torch)
+
+
+def test_translation_loss_is_label_smoothing_over_b_t_and_sums_on_request():
+    logits, target = _logits_and_target(shape=(4, 9))
+    by_hand = label_smoothing_loss(
+        logits.flatten(0, 1), target.flatten(), smoothing=0.1, ignore_index=PAD
+    )
+    mean = translation_loss(logits, target, smoothing=0.1, ignore_index=PAD)
+    total = translation_loss(logits, target, smoothing=0.1, ignore_index=PAD, reduction="sum")
+    torch.testing.assert_close(mean, by_hand)
+    torch.testing.assert_close(total, by_hand * (target != PAD).sum())
+    half = translation_loss(logits.bfloat16(), target, smoothing=0.1, ignore_index=PAD)
+    assert half.dtype == torch.float32  # computed in float32 even under mixed precision
+
+
+def test_schedule_warms_up_linearly_then_decays_as_inverse_sqrt():
+    warmup = 100
+    lrs = [warmup_inverse_sqrt(step, warmup=warmup) for step in range(400)]
+    assert lrs[0] == pytest.approx(1 / warmup)
+    assert max(lrs) == lrs[warmup - 1] == pytest.approx(1.0)
+    assert lrs[4 * warmup - 1] == pytest.approx(0.5)
+    assert all(a < b for a, b in itertools.pairwise(lrs[:warmup]))
+
+
+def test_make_optimizer_with_the_paper_peak_is_the_papers_schedule():
+    d_model, warmup = 512, 4000
+    optimizer, schedule = make_optimizer(
+        torch.nn.Linear(1, 1), lr=paper_peak_lr(d_model, warmup), warmup=warmup
+    )
+    assert optimizer.defaults["betas"] == (0.9, 0.98) and optimizer.defaults["eps"] == 1e-9
+    checked = {1, 2, 3999, 4000, 4001, 6000}
+    for step_num in range(1, max(checked) + 1):  # the paper counts steps from 1
+        if step_num in checked:
+            paper = d_model**-0.5 * min(step_num**-0.5, step_num * warmup**-1.5)
+            assert schedule.get_last_lr()[0] == pytest.approx(paper, rel=1e-12)
+        optimizer.step()
+        schedule.step()
