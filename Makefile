@@ -1,17 +1,50 @@
 # Two commands for a fresh machine: `make book` (the website) and `make test` (every test).
+# While working: `make unit` (the package's quick tests, under a minute) and `make lint`.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+LINTED := src tests scripts bench
+# tests/test_website.py is not yet ruff-formatted (its owner formats it; then drop this line).
+LINTED += --extend-exclude tests/test_website.py
+# Two test processes, one torch thread each: the tests assert values, not speed, and their
+# models are tiny. Each file stays in one process (its module fixtures are built once).
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile
 
-.PHONY: book test install execute clean
+# $(call timed,COMMAND): run COMMAND, then say how long the target took and whether it passed.
+define timed
+@start=$$(date +%s); $(1); status=$$?; \
+	echo "===== $@: $$([ $$status = 0 ] && echo passed || echo FAILED)" \
+	"in $$(( $$(date +%s) - start )) s"; exit $$status
+endef
+
+.PHONY: book test unit lint pytest chapters install execute clean
 
 book: $(VENV)/.installed
 	rm -rf _build
 	$(BIN)/jupyter-book build . -W -n --keep-going
 	@echo "The website is at _build/html/index.html"
 
+# Everything CI checks, in the order a reader's trust needs it: the website builds with warnings
+# as errors, lint, every pytest test (unit, slow, website in a browser), then every chapter run
+# alone from the installed wheel. -k: every part runs even when an earlier one fails.
 test: $(VENV)/.installed
-	$(BIN)/python scripts/run_tests.py
+	$(MAKE) -k book lint pytest chapters
+
+# The package's unit tests without the training runs and the browser: under a minute.
+# (Order-only prerequisite: an existing .venv is used as it is, never reinstalled here.)
+unit: | $(VENV)/.installed
+	$(call timed,$(PYTEST) -m "not slow and not website" tests)
+
+lint: | $(VENV)/.installed
+	$(call timed,$(BIN)/ruff check $(LINTED) && $(BIN)/ruff format --check $(LINTED))
+
+# Every pytest test: unit, slow (training runs), website (needs the book built: `make book`).
+pytest: $(VENV)/.installed
+	$(call timed,$(PYTEST) tests)
+
+# Each chapter copied alone into an empty folder and run under nbval against the wheel.
+chapters: $(VENV)/.installed
+	$(call timed,$(BIN)/python scripts/run_tests.py)
 
 # Re-run chapters so their stored outputs match the package (after changing code they import).
 execute: $(VENV)/.installed

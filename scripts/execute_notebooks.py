@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
-
 from book import toc_chapters  # scripts/book.py, beside this file: reads _toc.yml
+from nbclient import NotebookClient
 
 
 def execute(path: Path, timeout: int) -> float:
@@ -26,7 +25,10 @@ def execute(path: Path, timeout: int) -> float:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
         NotebookClient(
-            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": workdir}},
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": workdir}},
             record_timing=False,
         ).execute()
     nbformat.write(nb, path)
@@ -34,8 +36,12 @@ def execute(path: Path, timeout: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("notebooks", nargs="*", type=Path, help="notebooks to execute (default: all chapters)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "notebooks", nargs="*", type=Path, help="notebooks to execute (default: all chapters)"
+    )
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per cell")
     args = parser.parse_args()
     for path in args.notebooks or toc_chapters():

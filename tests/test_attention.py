@@ -15,8 +15,8 @@ from torch import nn
 
 from transformer_tutorial import set_seed
 from transformer_tutorial.attention import MultiHeadAttention, scaled_dot_product_attention
-from transformer_tutorial.masks import causal_mask
 from transformer_tutorial.copy_weights import copy_mha
+from transformer_tutorial.masks import causal_mask
 
 ATOL = 1e-5
 B, H, L, S, DK, D = 2, 3, 5, 7, 8, 12
@@ -65,7 +65,9 @@ def test_function_matches_torch_causal():
     set_seed(0)
     q, k, v = (torch.randn(B, H, L, DK) for _ in range(3))
     out, _ = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L))
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=ATOL, rtol=0
+    )
 
 
 def test_function_matches_torch_with_key_padding_mask():
@@ -85,7 +87,9 @@ def test_function_weights_shape_and_values(heads):
     assert weights.shape == (*lead, L, S) and out.shape == (*lead, L, DK)
     # Attending over the identity matrix as values returns the weights themselves.
     eye = torch.eye(S).expand(*lead, S, S)
-    torch.testing.assert_close(weights, F.scaled_dot_product_attention(q, k, eye, attn_mask=~mask), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        weights, F.scaled_dot_product_attention(q, k, eye, attn_mask=~mask), atol=ATOL, rtol=0
+    )
     assert scaled_dot_product_attention(q, k, v)[1] is None
 
 
@@ -137,7 +141,9 @@ CASES = ["self", "cross", "key_padding_mask", "attn_mask", "both"]
 def test_mha_matches_torch(case):
     ours, ref = _pair()
     query, key, value, masks = _inputs(case)
-    expected, per_head = ref(query, key, value, need_weights=True, average_attn_weights=False, **masks)
+    expected, per_head = ref(
+        query, key, value, need_weights=True, average_attn_weights=False, **masks
+    )
     _, averaged = ref(query, key, value, need_weights=True, average_attn_weights=True, **masks)
     out_fused, none = ours(query, key, value, need_weights=False, **masks)
     out_written, weights = ours(query, key, value, need_weights=True, **masks)
@@ -155,7 +161,9 @@ def test_mha_per_head_attn_mask_matches_torch():
     gen = torch.Generator().manual_seed(2)
     mask = torch.rand(B, H, L, S, generator=gen) < 0.5
     mask[..., 0] = False
-    expected, per_head = ref(query, key, value, attn_mask=mask.reshape(B * H, L, S), average_attn_weights=False)
+    expected, per_head = ref(
+        query, key, value, attn_mask=mask.reshape(B * H, L, S), average_attn_weights=False
+    )
     for need_weights in (False, True):
         out, weights = ours(query, key, value, attn_mask=mask, need_weights=need_weights)
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
@@ -180,7 +188,9 @@ def test_mha_fully_blocked_query_gives_zeros_in_both_paths():
             assert torch.equal(weights[:, :, 2], torch.zeros(B, H, S))
         out.sum().backward()
         assert torch.isfinite(query_.grad).all()
-        assert torch.equal(query_.grad[:, 2], torch.zeros(B, D))  # the blocked query gets no gradient
+        assert torch.equal(
+            query_.grad[:, 2], torch.zeros(B, D)
+        )  # the blocked query gets no gradient
         assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
 
 
@@ -201,7 +211,7 @@ def test_mha_dropout_only_in_training():
 
 
 def test_mha_dropout_matches_torch_in_training_with_same_seed():
-    """Both draw one dropout mask over the (B, H, L, S) weights, so the same seed drops the same."""
+    """Both draw one dropout mask over the (B, H, L, S) weights: the same seed drops the same."""
     ours, ref = _pair(dropout=0.5)
     ours.train()
     ref.train()
@@ -229,7 +239,9 @@ def test_mha_parameter_count(bias):
 
 
 def test_d_model_not_divisible_by_heads():
-    with pytest.raises(ValueError, match=r"d_model=10 must be divisible by n_heads=4.*\[1, 2, 5, 10\]"):
+    with pytest.raises(
+        ValueError, match=r"d_model=10 must be divisible by n_heads=4.*\[1, 2, 5, 10\]"
+    ):
         MultiHeadAttention(10, 4)
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from book import ROOT, colab_url, repository_url, toc_chapters, toc_files
 
 CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
@@ -19,7 +18,9 @@ def _source(cell) -> str:
 
 def test_every_toc_entry_exists():
     for entry in toc_files():
-        assert any((ROOT / f"{entry}{suffix}").exists() for suffix in (".ipynb", ".md")), f"{entry} in _toc.yml has no file"
+        assert any((ROOT / f"{entry}{suffix}").exists() for suffix in (".ipynb", ".md")), (
+            f"{entry} in _toc.yml has no file"
+        )
 
 
 def test_every_chapter_is_in_the_toc():
@@ -37,12 +38,20 @@ def test_chapters_are_numbered_in_toc_order():
 def test_chapter_opens_with_badge_and_setup_cell(path: Path):
     nb = nbformat.read(path, as_version=4)
     badge, setup = nb.cells[0], nb.cells[1]
-    assert badge.cell_type == "markdown" and _source(badge).lstrip().startswith("# "), "cell 1: the chapter title"
-    assert f"]({colab_url(path)})" in _source(badge), f"cell 1 needs the Colab badge linking to {colab_url(path)}"
+    assert badge.cell_type == "markdown" and _source(badge).lstrip().startswith("# "), (
+        "cell 1: the chapter title"
+    )
+    assert f"]({colab_url(path)})" in _source(badge), (
+        f"cell 1 needs the Colab badge linking to {colab_url(path)}"
+    )
     code = _source(setup)
     assert setup.cell_type == "code", "cell 2 must be the setup cell"
-    assert 'find_spec("transformer_tutorial") is None' in code, "the setup cell installs only when the package is missing"
-    assert f'"git+{repository_url()}"' in code, f"the setup cell must install git+{repository_url()}"
+    assert 'find_spec("transformer_tutorial") is None' in code, (
+        "the setup cell installs only when the package is missing"
+    )
+    assert f'"git+{repository_url()}"' in code, (
+        f"the setup cell must install git+{repository_url()}"
+    )
     assert not setup.outputs, "outside Colab the setup cell prints nothing"
 
 
@@ -51,8 +60,12 @@ def test_chapter_is_executed_in_order_with_outputs(path: Path):
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code" and _source(c).strip()]
     counts = [c.execution_count for c in code]
-    assert counts == list(range(1, len(code) + 1)), f"execute the chapter top to bottom once (execution counts {counts})"
-    assert sum(bool(c.outputs) for c in code) >= len(code) // 2, "most code cells should show a stored output"
+    assert counts == list(range(1, len(code) + 1)), (
+        f"execute the chapter top to bottom once (execution counts {counts})"
+    )
+    assert sum(bool(c.outputs) for c in code) >= len(code) // 2, (
+        "most code cells should show a stored output"
+    )
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
     errors = [o for c in code for o in c.outputs if o.output_type == "error"]
     assert not errors, "a stored output is an error traceback"
@@ -64,5 +77,6 @@ def test_chapter_reads_no_repository_paths(path: Path):
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert not re.search(r"""["'](\.\./|data/|src/|chapters/)""", _source(cell)), (
-                "chapters run alone in Colab: read data through transformer_tutorial, not repository paths"
+                "chapters run alone in Colab: read data through transformer_tutorial, "
+                "not repository paths"
             )

@@ -74,8 +74,9 @@ def test_copy_transformer_makes_both_stacks_equal_nn_transformer(norm_first):
 def test_post_norm_copy_refuses_nn_transformers_extra_final_norm():
     """nn.Transformer's post-norm stacks carry a final LayerNorm that the paper (and ours) has
     not; the error says how to remove it."""
-    config = TransformerConfig(11, 11, d_model=D, n_heads=H, n_encoder_layers=N,
-                               n_decoder_layers=N, d_ff=D_FF)
+    config = TransformerConfig(
+        11, 11, d_model=D, n_heads=H, n_encoder_layers=N, n_decoder_layers=N, d_ff=D_FF
+    )
     ref = nn.Transformer(D, H, N, N, D_FF, 0.0, batch_first=True)
     with pytest.raises(ValueError, match=r"final LayerNorm.*ref\.encoder\.norm = None"):
         copy_transformer(Transformer(config), ref)

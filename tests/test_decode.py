@@ -32,9 +32,18 @@ def tiny_model(
     """A random one-layer pre-norm Transformer whose output layer is scaled up, so that its
     choices are clear-cut."""
     torch.manual_seed(seed)
-    config = TransformerConfig(vocab_size, vocab_size, d_model=16, n_heads=2, n_encoder_layers=1,
-                               n_decoder_layers=1, d_ff=32, dropout=0.0, max_len=max_len,
-                               norm_first=True)
+    config = TransformerConfig(
+        vocab_size,
+        vocab_size,
+        d_model=16,
+        n_heads=2,
+        n_encoder_layers=1,
+        n_decoder_layers=1,
+        d_ff=32,
+        dropout=0.0,
+        max_len=max_len,
+        norm_first=True,
+    )
     model = Transformer(config).eval()
     with torch.no_grad():
         model.generator.weight.mul_(sharpen)
@@ -87,7 +96,9 @@ def test_greedy_batched_equals_one_by_one_and_stops_at_eos():
     src = random_src(12, [6, 2, 4], seed=5)
     batch = greedy_decode(model, src, max_len=10, **IDS)
     for row in range(src.size(0)):
-        alone = greedy_decode(model, src[row : row + 1, : int((src[row] != PAD).sum())], max_len=10, **IDS)[0]
+        alone = greedy_decode(
+            model, src[row : row + 1, : int((src[row] != PAD).sum())], max_len=10, **IDS
+        )[0]
         assert batch[row, : alone.numel()].tolist() == alone.tolist()
         assert (batch[row, alone.numel() :] == PAD).all()
         tokens = batch[row].tolist()
@@ -103,15 +114,26 @@ def test_beam_size_one_equals_greedy():
     assert torch.equal(beam, greedy)
 
 
-def sequence_log_probs(model: Transformer, src: torch.Tensor, hyps: list[list[int]]) -> list[float]:
-    """log p(ys | src) of each hypothesis by teacher forcing (no cache); src is one sentence ``(1, S)``."""
+def sequence_log_probs(
+    model: Transformer, src: torch.Tensor, hyps: list[list[int]]
+) -> list[float]:
+    """log p(ys | src) of each hypothesis by teacher forcing (no cache); src is one sentence
+    ``(1, S)``."""
     width = max(len(ys) for ys in hyps)
-    tgt = torch.tensor([[BOS, *ys[:-1]] + [3] * (width - len(ys)) for ys in hyps])  # filler after the end
+    tgt = torch.tensor(
+        [[BOS, *ys[:-1]] + [3] * (width - len(ys)) for ys in hyps]
+    )  # filler after the end
     with torch.no_grad():
         memory = model.encode(src).expand(len(hyps), -1, -1)
-        logp = model.decode(tgt, memory, memory_key_padding_mask=(src == PAD).expand(len(hyps), -1),
-                            tgt_key_padding_mask=torch.zeros_like(tgt, dtype=torch.bool)).log_softmax(-1)
-    return [float(logp[i, torch.arange(len(ys)), torch.tensor(ys)].sum()) for i, ys in enumerate(hyps)]
+        logp = model.decode(
+            tgt,
+            memory,
+            memory_key_padding_mask=(src == PAD).expand(len(hyps), -1),
+            tgt_key_padding_mask=torch.zeros_like(tgt, dtype=torch.bool),
+        ).log_softmax(-1)
+    return [
+        float(logp[i, torch.arange(len(ys)), torch.tensor(ys)].sum()) for i, ys in enumerate(hyps)
+    ]
 
 
 def all_hypotheses(vocab_size: int, max_len: int):
@@ -127,12 +149,16 @@ def test_wide_beam_finds_the_true_maximum(alpha):
     vocab_size, max_len = 5, 3
     model = tiny_model(vocab_size, seed=11, sharpen=2.0)
     src = random_src(vocab_size, [3, 1, 2], seed=4)
-    tokens, scores = beam_search(model, src, beam_size=vocab_size**max_len, max_len=max_len, alpha=alpha, **IDS)
+    tokens, scores = beam_search(
+        model, src, beam_size=vocab_size**max_len, max_len=max_len, alpha=alpha, **IDS
+    )
     for row in range(src.size(0)):
         one = src[row : row + 1, : int((src[row] != PAD).sum())]
         hyps = list(all_hypotheses(vocab_size, max_len))
-        scored = [(lp / length_penalty(len(ys), alpha), ys)
-                  for lp, ys in zip(sequence_log_probs(model, one, hyps), hyps)]
+        scored = [
+            (lp / length_penalty(len(ys), alpha), ys)
+            for lp, ys in zip(sequence_log_probs(model, one, hyps), hyps, strict=True)
+        ]
         best_score, best_ys = max(scored)
         assert scores[row].item() == pytest.approx(best_score, abs=1e-5)
         assert tokens[row, : len(best_ys)].tolist() == best_ys
@@ -168,13 +194,17 @@ def test_finished_hypotheses_are_never_extended():
     # so a search that kept extending the finished "<eos>" would reach "<eos> a a", whose
     # length penalty (alpha = 1) makes it score better than any true hypothesis.
     no = -30.0
-    table = torch.tensor([
-        [0.0, 0.0, 0.0, 0.0],  # after <pad>
-        [no, no, 0.0, 0.0],  # after <bos>
-        [no, no, no, 10.0],  # after <eos>
-        [no, no, 0.0, 0.0],  # after "a"
-    ])
-    tokens, scores = beam_search(MarkovModel(table), torch.tensor([[3]]), beam_size=2, max_len=3, alpha=1.0, **IDS)
+    table = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 0.0],  # after <pad>
+            [no, no, 0.0, 0.0],  # after <bos>
+            [no, no, no, 10.0],  # after <eos>
+            [no, no, 0.0, 0.0],  # after "a"
+        ]
+    )
+    tokens, scores = beam_search(
+        MarkovModel(table), torch.tensor([[3]]), beam_size=2, max_len=3, alpha=1.0, **IDS
+    )
     assert tokens.tolist() == [[EOS]]
     assert scores.item() == pytest.approx(math.log(0.5))
 

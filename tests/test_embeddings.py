@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer_tutorial.embeddings import SinusoidalPositionalEncoding, TokenEmbedding, sinusoidal_table
+from transformer_tutorial.embeddings import (
+    SinusoidalPositionalEncoding,
+    TokenEmbedding,
+    sinusoidal_table,
+)
 
 
 def test_lookup_equals_one_hot_times_table_scaled_by_sqrt_d():
@@ -19,7 +23,9 @@ def test_lookup_equals_one_hot_times_table_scaled_by_sqrt_d():
     embed = TokenEmbedding(V, D)
     ids = torch.randint(0, V, (3, 7))
     one_hot = F.one_hot(ids, V).float()  # (B, L, V)
-    torch.testing.assert_close(embed(ids), one_hot @ embed.weight * math.sqrt(D), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        embed(ids), one_hot @ embed.weight * math.sqrt(D), rtol=0, atol=1e-6
+    )
 
 
 def test_equals_nn_embedding_with_copied_weights_times_sqrt_d():
@@ -45,7 +51,7 @@ def test_padding_row_is_zero_and_gets_no_gradient():
     ids = torch.tensor([[pad, 1, pad, 4]])
     out = embed(ids)
     assert torch.equal(out[0, 0], torch.zeros(D))
-    (out ** 2).sum().backward()
+    (out**2).sum().backward()
     assert torch.equal(embed.weight.grad[pad], torch.zeros(D))
     assert embed.weight.grad[1].abs().sum() > 0
 
@@ -87,7 +93,12 @@ def rotation(k: int, d_model: int) -> torch.Tensor:
     """The block-diagonal map M_k with M_k @ PE(pos) == PE(pos + k)."""
     omega = 1.0 / 10000.0 ** (torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
     c, s = torch.cos(k * omega), torch.sin(k * omega)
-    return torch.block_diag(*[torch.stack([torch.stack([ci, si]), torch.stack([-si, ci])]) for ci, si in zip(c, s)])
+    return torch.block_diag(
+        *[
+            torch.stack([torch.stack([ci, si]), torch.stack([-si, ci])])
+            for ci, si in zip(c, s, strict=True)
+        ]
+    )
 
 
 @pytest.mark.parametrize("k", [1, 3, 17, 250])
@@ -114,7 +125,9 @@ def test_output_keeps_the_input_dtype(dtype):
     x = torch.zeros(2, 5, 8, dtype=dtype)
     out = pe(x)
     assert out.dtype == dtype
-    torch.testing.assert_close(out[0].float(), sinusoidal_table(5, 8), rtol=0, atol=1e-2 if dtype.itemsize == 2 else 1e-6)
+    torch.testing.assert_close(
+        out[0].float(), sinusoidal_table(5, 8), rtol=0, atol=1e-2 if dtype.itemsize == 2 else 1e-6
+    )
 
 
 def test_buffer_follows_the_module_to_another_device():

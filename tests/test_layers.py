@@ -72,14 +72,18 @@ def test_unbiased_std_plus_eps_is_detected(d_model):
 def test_feed_forward_matches_transformer_encoder_layer(activation):
     torch.manual_seed(0)
     d_model, d_ff = 16, 48
-    ref = nn.TransformerEncoderLayer(d_model, 4, d_ff, dropout=0.1, activation=activation, batch_first=True).eval()
+    ref = nn.TransformerEncoderLayer(
+        d_model, 4, d_ff, dropout=0.1, activation=activation, batch_first=True
+    ).eval()
     ff = FeedForward(d_model, d_ff, dropout=0.1, activation=activation).eval()
     ff.linear1.load_state_dict(ref.linear1.state_dict())
     ff.linear2.load_state_dict(ref.linear2.state_dict())
     x = torch.randn(3, 7, d_model)
     with torch.no_grad():
         torch.testing.assert_close(ff(x), ref._ff_block(x), atol=ATOL, rtol=ATOL)
-        torch.testing.assert_close(ff(x), ref.linear2(ref.activation(ref.linear1(x))), atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(
+            ff(x), ref.linear2(ref.activation(ref.linear1(x))), atol=ATOL, rtol=ATOL
+        )
 
 
 def test_feed_forward_is_the_paper_formula():
@@ -110,11 +114,13 @@ def test_feed_forward_dropout_only_in_training():
 
 
 def test_feed_forward_rejects_unknown_activation():
-    with pytest.raises(ValueError, match=r"activation must be one of \['gelu', 'relu'\], got 'swish'"):
+    with pytest.raises(
+        ValueError, match=r"activation must be one of \['gelu', 'relu'\], got 'swish'"
+    ):
         FeedForward(8, 32, activation="swish")
 
 
-# --- the encoder and decoder layers ---------------------------------------------------------------
+# --- the encoder and decoder layers -------------------------------------------------------------
 
 B, S, T, D, H, D_FF = 3, 7, 6, 16, 4, 32
 PAD = 0

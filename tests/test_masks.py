@@ -21,9 +21,7 @@ PAD = 0
 
 def _ids() -> torch.Tensor:
     """``(3, 6)`` right-padded token ids: lengths 6, 3 and 4."""
-    return torch.tensor(
-        [[5, 3, 8, 5, 2, 9], [4, 7, 6, PAD, PAD, PAD], [1, 2, 3, 4, PAD, PAD]]
-    )
+    return torch.tensor([[5, 3, 8, 5, 2, 9], [4, 7, 6, PAD, PAD, PAD], [1, 2, 3, 4, PAD, PAD]])
 
 
 def test_padding_mask_is_true_at_padding():
@@ -71,9 +69,7 @@ def test_merge_masks_shapes_broadcast_to_b_h_l_s():
 def test_merge_masks_is_the_union_true_blocked():
     ids = _ids()
     B, T = ids.shape
-    merged = merge_masks(
-        causal_mask(T), padding_mask(ids, PAD), batch_size=B, q_len=T, k_len=T
-    )
+    merged = merge_masks(causal_mask(T), padding_mask(ids, PAD), batch_size=B, q_len=T, k_len=T)
     assert merged.dtype == torch.bool
     for b in range(B):
         length = int((ids[b] != PAD).sum())

@@ -132,22 +132,16 @@ def decode_three_ways(stack: Decoder, tgt, memory, memory_pad):
         caches = tuple(layer.init_cache(memory) for layer in stack.layers)
         cached = []
         for t in range(T):
-            out, caches = stack.step(
-                tgt[:, t : t + 1], caches, memory_key_padding_mask=memory_pad
-            )
+            out, caches = stack.step(tgt[:, t : t + 1], caches, memory_key_padding_mask=memory_pad)
             cached.append(out[:, 0])
     return parallel, recompute, torch.stack(cached, dim=1)
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_teacher_forcing_equals_step_by_step_recomputed_and_with_the_kv_cache(
-    vectors, norm_first
-):
+def test_teacher_forcing_equals_step_by_step_recomputed_and_with_the_kv_cache(vectors, norm_first):
     src, tgt, src_pad, _ = vectors
     torch.manual_seed(0)
-    parallel, recompute, cached = decode_three_ways(
-        decoder(norm_first).eval(), tgt, src, src_pad
-    )
+    parallel, recompute, cached = decode_three_ways(decoder(norm_first).eval(), tgt, src, src_pad)
     torch.testing.assert_close(recompute, parallel, atol=ATOL, rtol=0)
     torch.testing.assert_close(cached, parallel, atol=ATOL, rtol=0)
 
@@ -278,7 +272,11 @@ def test_init_normal_embeddings_xavier_matrices_zero_biases_and_padding_rows(
     biases 0."""
     V, D = 4000, 64  # a table of 256,000 draws pins its std down to well under 1%
     model = tiny_model(
-        src_vocab_size=V, tgt_vocab_size=V, d_model=D, d_ff=128, share_embeddings=share,
+        src_vocab_size=V,
+        tgt_vocab_size=V,
+        d_model=D,
+        d_ff=128,
+        share_embeddings=share,
         tie_output=tie,
     )
     tables = [model.src_embed.weight] + ([] if share else [model.tgt_embed.weight])
@@ -327,7 +325,9 @@ def test_paper_base_parameter_count_on_meta_device():
     attention, feed_forward, norm = 4 * (D * D + D), 2 * D * F_ + F_ + D, 2 * D
     encoder = 6 * (attention + feed_forward + 2 * norm)
     decoder = 6 * (2 * attention + feed_forward + 3 * norm)
-    assert sum(p.numel() for p in model.parameters()) == V * D + encoder + decoder + V == 63_119_496
+    assert (
+        sum(p.numel() for p in model.parameters()) == V * D + encoder + decoder + V == 63_119_496
+    )
     # nn.Transformer: the same two stacks plus a final LayerNorm on each.
     assert sum(p.numel() for p in ref.parameters()) == encoder + decoder + 2 * norm
 
@@ -352,8 +352,17 @@ def train_and_score(task, steps: int, schedule_steps: int = 500) -> tuple[float,
     torch.manual_seed(0)
     V = task.vocab_size
     config = TransformerConfig(
-        V, V, d_model=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=128,
-        dropout=0.0, max_len=16, share_embeddings=True, tie_output=True,
+        V,
+        V,
+        d_model=64,
+        n_heads=4,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        d_ff=128,
+        dropout=0.0,
+        max_len=16,
+        share_embeddings=True,
+        tie_output=True,
     )
     model = Transformer(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98), eps=1e-9)
