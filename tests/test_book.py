@@ -80,3 +80,68 @@ def test_chapter_reads_no_repository_paths(path: Path):
                 "chapters run alone in Colab: read data through transformer_tutorial, "
                 "not repository paths"
             )
+
+
+def _outputs_text(nb) -> str:
+    """Every stored output of a notebook, as text (streams, plain-text results, errors)."""
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream":
+                parts.append(out.text)
+            elif "data" in out and "text/plain" in out.data:
+                parts.append(out.data["text/plain"])
+    return "\n".join(parts)
+
+
+EXERCISE = re.compile(r"^### Exercise (\d+)\.(\d+): \S", re.MULTILINE)
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_ends_with_exercises_each_with_a_checked_hidden_solution(path: Path):
+    nb = nbformat.read(path, as_version=4)
+    chapter = int(path.name[:2])
+    headings = [
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "markdown" and _source(c).lstrip().startswith("## ")
+    ]
+    assert headings and _source(nb.cells[headings[-1]]).lstrip().startswith("## Exercises"), (
+        "the chapter's last section must be '## Exercises'"
+    )
+    exercises = [
+        (i, EXERCISE.search(_source(c)))
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "markdown" and EXERCISE.search(_source(c))
+    ]
+    assert 2 <= len(exercises) <= 4, f"{len(exercises)} exercises; each chapter has 2 to 4"
+    numbers = [(int(m[1]), int(m[2])) for _, m in exercises]
+    assert numbers == [(chapter, k) for k in range(1, len(numbers) + 1)], numbers
+    for i, match in exercises:
+        solution = nb.cells[i + 1]
+        title = f"# @title Solution {match[1]}.{match[2]} "
+        assert solution.cell_type == "code" and _source(solution).startswith(title), (
+            f"exercise {match[1]}.{match[2]}: the next cell must be its solution, "
+            f"starting with {title!r}"
+        )
+        tags = set(solution.metadata.get("tags", []))
+        assert {"hide-cell", "solution"} <= tags, f"solution {match[1]}.{match[2]} tags: {tags}"
+        assert solution.metadata.get("jupyter", {}).get("source_hidden"), "hidden in Jupyter"
+        assert re.search(r"\bassert", _source(solution)), (
+            f"solution {match[1]}.{match[2]} must check its answer with an assert"
+        )
+        images = [o for o in solution.outputs if "image/png" in o.get("data", {})]
+        assert not images, "a collapsed solution must not draw a figure"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_guarded_numbers_in_prose_come_from_the_outputs(path: Path):
+    """Each number a chapter's text states and lists in ``metadata.guarded_numbers`` is printed
+    by one of its cells: editing the text or the code alone makes this fail."""
+    nb = nbformat.read(path, as_version=4)
+    guarded = nb.metadata.get("guarded_numbers", [])
+    assert guarded, "list the numbers the prose cites in metadata.guarded_numbers"
+    prose = "\n".join(_source(c) for c in nb.cells if c.cell_type == "markdown")
+    outputs = _outputs_text(nb)
+    assert not [n for n in guarded if n not in prose], "guarded numbers missing from the text"
+    assert not [n for n in guarded if n not in outputs], "guarded numbers no cell prints"
