@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from transformer_tutorial.checks import check_int, check_number, check_texts
 from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID, pad_batch, token_batches
 from transformer_tutorial.masks import padding_mask
+from transformer_tutorial.model import DecoderCache
 
 # GNMT's length-penalty exponent (Wu et al., 2016), the usual choice for beam search.
 BEAM_ALPHA = 0.6
@@ -84,6 +85,51 @@ def length_penalty(length: int, alpha: float) -> float:
     return ((5 + length) / 6) ** alpha
 
 
+@dataclass(frozen=True)
+class Finished:
+    """Beam search's best ``K`` finished hypotheses of each sentence, best first."""
+
+    scores: Tensor  # (B, K) log p / length penalty; -inf where there is none yet
+    tokens: Tensor  # (B, K, max_len) padded
+    lengths: Tensor  # (B, K)
+
+    def merge(self, scores: Tensor, tokens: Tensor, length: int) -> Finished:
+        """Keep the best ``K`` of these and new hypotheses of ``length`` tokens: ``scores``
+        ``(B, N)`` (-inf: not finished), ``tokens`` ``(B, N, max_len)``."""
+        K, max_len = self.scores.size(1), self.tokens.size(2)
+        best, keep = torch.cat([self.scores, scores], dim=1).topk(K, dim=-1)  # (B, K)
+        tokens = torch.cat([self.tokens, tokens], dim=1)
+        lengths = torch.cat([self.lengths, torch.full_like(scores, length, dtype=torch.long)], 1)
+        return Finished(
+            best,
+            tokens.gather(1, keep[:, :, None].expand(-1, -1, max_len)),
+            lengths.gather(1, keep),
+        )
+
+
+def _start_beams(
+    model: nn.Module, src: Tensor, K: int, max_len: int, bos_id: int, pad_id: int
+) -> tuple[DecoderCache, Tensor, Tensor, Finished]:
+    """Beam search's start: the memory's cache repeated for ``K`` beams a sentence, every beam
+    at ``<bos>``, one live beam a sentence (log p 0), nothing finished."""
+    B, device = src.size(0), src.device
+    src_key_padding_mask = padding_mask(src, pad_id)
+    memory = model.encode(src, src_key_padding_mask)  # (B, S, D)
+    rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,) the sentence of each beam
+    cache = model.init_cache(
+        memory.index_select(0, rows), src_key_padding_mask.index_select(0, rows)
+    )
+    tokens = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)  # (B*K, t+1)
+    alive = torch.full((B, K), float("-inf"), device=device)
+    alive[:, 0] = 0.0  # log p of each live beam; at first there is one beam, not K copies of it
+    finished = Finished(
+        torch.full((B, K), float("-inf"), device=device),
+        torch.full((B, K, max_len), pad_id, dtype=torch.long, device=device),
+        torch.zeros(B, K, dtype=torch.long, device=device),
+    )
+    return cache, tokens, alive, finished
+
+
 @torch.no_grad()
 def beam_search(
     model: nn.Module,
@@ -112,18 +158,7 @@ def beam_search(
     check_int("max_len", max_len, at_least=1)
     check_number("alpha", alpha, low=0.0)
     B, K, device = src.size(0), beam_size, src.device
-    src_key_padding_mask = padding_mask(src, pad_id)
-    memory = model.encode(src, src_key_padding_mask)  # (B, S, D)
-    rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,) the sentence of each beam
-    cache = model.init_cache(
-        memory.index_select(0, rows), src_key_padding_mask.index_select(0, rows)
-    )
-    tokens = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)  # (B*K, t+1)
-    alive = torch.full((B, K), float("-inf"), device=device)
-    alive[:, 0] = 0.0  # log p of each live beam; at first there is one beam, not K copies of it
-    best = torch.full((B, K), float("-inf"), device=device)  # finished scores, best first
-    best_tokens = torch.full((B, K, max_len), pad_id, dtype=torch.long, device=device)
-    best_lengths = torch.zeros(B, K, dtype=torch.long, device=device)
+    cache, tokens, alive, finished = _start_beams(model, src, K, max_len, bos_id, pad_id)
     first_row = torch.arange(B, device=device)[:, None] * K  # (B, 1)
     for t in range(max_len):
         length, last = t + 1, t + 1 == max_len
@@ -145,13 +180,7 @@ def beam_search(
         new_tokens = nn.functional.pad(new_tokens, (0, max_len - length), value=pad_id).view(
             B, -1, max_len
         )
-        pool = torch.cat([best, new_scores], dim=1)  # (B, K + N)
-        best, keep = pool.topk(K, dim=-1)
-        best_tokens = torch.cat([best_tokens, new_tokens], dim=1).gather(
-            1, keep[:, :, None].expand(-1, -1, max_len)
-        )
-        new_lengths = torch.full_like(new_scores, length, dtype=torch.long)
-        best_lengths = torch.cat([best_lengths, new_lengths], dim=1).gather(1, keep)
+        finished = finished.merge(new_scores, new_tokens, length)
 
         # 2) live on: the best K candidates that did not end
         alive, pick = torch.where(ends, float("-inf"), top).topk(K, dim=-1)  # (B, K)
@@ -164,13 +193,14 @@ def beam_search(
         # 3) stop a sentence once no live beam can still win (log p only falls as beams grow)
         if not last:
             reach = max(length_penalty(length + 1, alpha), length_penalty(max_len, alpha))
-            full = best[:, -1].isfinite()
-            beaten = best[:, 0] >= alive[:, 0] / reach
-            alive = alive.masked_fill((full | beaten)[:, None], float("-inf"))
+            done = finished.scores[:, -1].isfinite() | (
+                finished.scores[:, 0] >= alive[:, 0] / reach
+            )
+            alive = alive.masked_fill(done[:, None], float("-inf"))
         if not alive.isfinite().any():
             break
-    width = int(best_lengths[:, 0].max())
-    return best_tokens[:, 0, :width], best[:, 0]
+    width = int(finished.lengths[:, 0].max())
+    return finished.tokens[:, 0, :width], finished.scores[:, 0]
 
 
 def strip_eos(ids: Sequence[int], eos_id: int = EOS_ID) -> list[int]:
