@@ -7,8 +7,9 @@ LINTED := src tests scripts bench
 # tests/test_website.py is not yet ruff-formatted (its owner formats it; then drop this line).
 LINTED += --extend-exclude tests/test_website.py
 # Two test processes, one torch thread each: the tests assert values, not speed, and their
-# models are tiny. Each file stays in one process (its module fixtures are built once).
-PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile
+# models are tiny. `make unit` deals tests out one by one (the best balance); `make pytest` keeps
+# each file in one process, so that the browser check opens the website once.
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2
 
 # $(call timed,COMMAND): run COMMAND, then say how long the target took and whether it passed.
 define timed
@@ -33,14 +34,14 @@ test: $(VENV)/.installed
 # The package's unit tests without the training runs and the browser: under a minute.
 # (Order-only prerequisite: an existing .venv is used as it is, never reinstalled here.)
 unit: | $(VENV)/.installed
-	$(call timed,$(PYTEST) -m "not slow and not website" tests)
+	$(call timed,$(PYTEST) --dist load -m "not slow and not website" tests)
 
 lint: | $(VENV)/.installed
 	$(call timed,$(BIN)/ruff check $(LINTED) && $(BIN)/ruff format --check $(LINTED))
 
 # Every pytest test: unit, slow (training runs), website (needs the book built: `make book`).
 pytest: $(VENV)/.installed
-	$(call timed,$(PYTEST) tests)
+	$(call timed,$(PYTEST) --dist loadfile tests)
 
 # Each chapter copied alone into an empty folder and run under nbval against the wheel.
 chapters: $(VENV)/.installed
