@@ -4,8 +4,6 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 LINTED := src tests scripts bench
-# tests/test_website.py is not yet ruff-formatted (its owner formats it; then drop this line).
-LINTED += --extend-exclude tests/test_website.py
 # Two test processes, one torch thread each: the tests assert values, not speed, and their
 # models are tiny. `make unit` deals tests out one by one (the best balance); `make pytest` keeps
 # each file in one process, so that the browser check opens the website once.

@@ -34,7 +34,6 @@ from urllib.parse import unquote, urlsplit
 
 import nbformat
 import pytest
-
 from book import ROOT, colab_url, toc_files
 
 HTML = ROOT / "_build" / "html"
@@ -44,8 +43,12 @@ CHROMIUM = os.environ.get("CHROMIUM_PATH") or shutil.which("chromium") or "/usr/
 # --disable-background-networking and --disable-component-update by itself.
 # Every host but 127.0.0.1 fails to resolve at once: a page that reaches out never waits on the
 # network, and its request is still recorded (and fails the test).
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+]
 VIEWPORT = {"width": 1280, "height": 900}
 PHONE = {"width": 400, "height": 800}
 LOAD_AHEAD = 3  # pages loading in the background while one is read: keeps both CPU cores busy
@@ -54,8 +57,16 @@ PAGES = toc_files()
 CHAPTERS = [p for p in PAGES if (ROOT / f"{p}.ipynb").exists()]
 FIGURE_TYPES = ("image/png", "image/jpeg", "image/svg+xml")
 HIDDEN_OUTPUT_TAGS = {"remove-output", "remove_output", "remove-cell", "remove_cell"}
-CDN_HOSTS = ("unpkg.com", "cdn.jsdelivr.net", "cdnjs.cloudflare.com", "fonts.googleapis.com",
-             "fonts.gstatic.com", "cdn.mathjax.org", "polyfill.io", "code.jquery.com")
+CDN_HOSTS = (
+    "unpkg.com",
+    "cdn.jsdelivr.net",
+    "cdnjs.cloudflare.com",
+    "fonts.googleapis.com",
+    "fonts.gstatic.com",
+    "cdn.mathjax.org",
+    "polyfill.io",
+    "code.jquery.com",
+)
 MYST_MATHJAX_CLASSES = "tex2jax_process|mathjax_process|math|output_area"
 
 
@@ -66,6 +77,7 @@ def _ids(page: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # The site: built when stale, served on 127.0.0.1
 # ---------------------------------------------------------------------------------------------
+
 
 def _sources() -> list[Path]:
     files = [ROOT / "_config.yml", ROOT / "_toc.yml", ROOT / "references.bib"]
@@ -85,14 +97,20 @@ def _site_is_stale() -> bool:
 def _build_site() -> None:
     # --all: an incremental build with no page changed does not copy a changed _static/ file.
     jupyter_book = Path(sys.executable).parent / "jupyter-book"
-    done = subprocess.run([str(jupyter_book), "build", str(ROOT), "--all", "-W", "-n", "--keep-going"],
-                          cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [str(jupyter_book), "build", str(ROOT), "--all", "-W", "-n", "--keep-going"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
-        pytest.fail(f"jupyter-book build failed:\n{(done.stdout + done.stderr)[-4000:]}", pytrace=False)
+        pytest.fail(
+            f"jupyter-book build failed:\n{(done.stdout + done.stderr)[-4000:]}", pytrace=False
+        )
 
 
 class _QuietHandler(SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+    def log_message(self, format, *args):
         pass
 
 
@@ -100,7 +118,9 @@ class _QuietHandler(SimpleHTTPRequestHandler):
 def base_url():
     if _site_is_stale():
         _build_site()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(HTML)))
+    server = ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(HTML))
+    )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_port}/"
@@ -112,6 +132,7 @@ def base_url():
 # ---------------------------------------------------------------------------------------------
 # The browser: one for the module; each page visited once per mode, results cached
 # ---------------------------------------------------------------------------------------------
+
 
 def _browser_missing() -> str | None:
     try:
@@ -133,7 +154,9 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        chromium = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True
+        )
         yield chromium
         chromium.close()
 
@@ -147,7 +170,9 @@ class Visit:
     console_errors: list[str] = field(default_factory=list)
     light: dict = field(default_factory=dict)
     dark: dict = field(default_factory=dict)
-    enlarged: bool | None = None  # the first shrunk figure opened at full size on a click, and closed
+    enlarged: bool | None = (
+        None  # the first shrunk figure opened at full size on a click, and closed
+    )
     phone_overflow: int = 0  # how much wider than a phone's window the page is
 
 
@@ -217,8 +242,12 @@ def _switch_theme(page, theme: str) -> None:
     for _ in range(3):
         if page.evaluate("document.documentElement.dataset.theme") == theme:
             return
-        page.dispatch_event("button.theme-switch-button", "click")  # a click without hover: no tooltip
-    assert page.evaluate("document.documentElement.dataset.theme") == theme, f"the theme switch never gave {theme}"
+        page.dispatch_event(
+            "button.theme-switch-button", "click"
+        )  # a click without hover: no tooltip
+    assert page.evaluate("document.documentElement.dataset.theme") == theme, (
+        f"the theme switch never gave {theme}"
+    )
 
 
 def _start(browser, url: str) -> tuple[Visit, object]:
@@ -229,11 +258,21 @@ def _start(browser, url: str) -> tuple[Visit, object]:
     context.set_default_timeout(PAGE_TIMEOUT_MS)
     page = context.new_page()
     page.on("request", lambda request: visit.requests.append(request.url))
-    page.on("response", lambda response: response.status >= 400
-            and visit.bad_responses.append(f"{response.status} {response.url}"))
+    page.on(
+        "response",
+        lambda response: (
+            response.status >= 400
+            and visit.bad_responses.append(f"{response.status} {response.url}")
+        ),
+    )
     page.on("requestfailed", lambda request: visit.bad_responses.append(f"failed {request.url}"))
-    page.on("console", lambda message: message.type == "error"
-            and visit.console_errors.append(f"{message.text} ({message.location.get('url', '')})"))
+    page.on(
+        "console",
+        lambda message: (
+            message.type == "error"
+            and visit.console_errors.append(f"{message.text} ({message.location.get('url', '')})")
+        ),
+    )
     page.on("pageerror", lambda error: visit.console_errors.append(f"uncaught: {error}"))
     page.goto(url, wait_until="commit")
     return visit, page
@@ -258,7 +297,9 @@ def _finish(visit: Visit, page, name: str) -> Visit:
                              window.scrollTo(0, f ? f.getBoundingClientRect().top + scrollY - 200 : 0); }""")
     page.screenshot(path=str(SCREENSHOTS / "dark" / f"{name}.png"))
     page.set_viewport_size(PHONE)
-    visit.phone_overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    visit.phone_overflow = page.evaluate(
+        "document.documentElement.scrollWidth - window.innerWidth"
+    )
     page.context.close()
     return visit
 
@@ -268,8 +309,11 @@ def visits(request, browser, base_url) -> dict[str, Visit]:
     """Every page the selected tests need (all of the TOC in a full run), visited once: up to
     LOAD_AHEAD more pages load while one is read."""
     (SCREENSHOTS / "dark").mkdir(parents=True, exist_ok=True)
-    wanted = {item.callspec.params.get("page", PAGES[0]) if hasattr(item, "callspec") else PAGES[0]
-              for item in request.session.items if item.module is request.module}
+    wanted = {
+        item.callspec.params.get("page", PAGES[0]) if hasattr(item, "callspec") else PAGES[0]
+        for item in request.session.items
+        if item.module is request.module
+    }
     pages = [page for page in PAGES if page in wanted]
     started, done = {}, {}
     for i, page in enumerate(pages):
@@ -283,6 +327,7 @@ def visits(request, browser, base_url) -> dict[str, Visit]:
 # ---------------------------------------------------------------------------------------------
 # Checks, one per property and page
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("page", PAGES, ids=_ids)
 def test_page_loads_only_from_this_site_without_errors(visits, base_url, page):
@@ -298,14 +343,17 @@ def test_page_fits_the_window(visits, page):
     overflow = visits[page].light["overflow"]
     assert overflow <= 0, f"the page is {overflow}px wider than a {VIEWPORT['width']}px window"
     overflow = visits[page].phone_overflow
-    assert overflow <= 0, f"the page is {overflow}px wider than a phone's {PHONE['width']}px window"
+    assert overflow <= 0, (
+        f"the page is {overflow}px wider than a phone's {PHONE['width']}px window"
+    )
 
 
 def _stored_figures(page: str) -> int:
     nb = nbformat.read(ROOT / f"{page}.ipynb", as_version=4)
     return sum(
         any(kind in output.get("data", {}) for kind in FIGURE_TYPES)
-        for cell in nb.cells if cell.cell_type == "code" and not HIDDEN_OUTPUT_TAGS & set(cell.metadata.get("tags", []))
+        for cell in nb.cells
+        if cell.cell_type == "code" and not HIDDEN_OUTPUT_TAGS & set(cell.metadata.get("tags", []))
         for output in cell.outputs
     )
 
@@ -327,7 +375,9 @@ def test_shrunk_figures_enlarge_on_click(visits, page):
     stuck = [img["src"] for img in figures if img["shrunk"] and not img["zoomable"]]
     assert not stuck, f"figures shown shrunk that a click does not enlarge: {stuck}"
     if any(img["zoomable"] for img in figures):
-        assert visit.enlarged, "clicking a shrunk figure did not show it at full size (or Escape did not close it)"
+        assert visit.enlarged, (
+            "clicking a shrunk figure did not show it at full size (or Escape did not close it)"
+        )
 
 
 # A figure drawn at most 9.5 inches wide (dpi 110) shows at 70% or more in the 752-pixel column of
@@ -338,7 +388,9 @@ MIN_FIGURE_SCALE = 0.7
 @pytest.mark.parametrize("page", CHAPTERS, ids=_ids)
 def test_figures_are_not_shrunk_out_of_legibility(visits, page):
     figures = [img for img in visits[page].light["images"] if img["output"]]
-    small = [f"{img['src']} at {img['scale']:.0%}" for img in figures if img["scale"] < MIN_FIGURE_SCALE]
+    small = [
+        f"{img['src']} at {img['scale']:.0%}" for img in figures if img["scale"] < MIN_FIGURE_SCALE
+    ]
     assert not small, (
         f"figures shown below {MIN_FIGURE_SCALE:.0%} of their size in a {VIEWPORT['width']}px window "
         f"(draw them at most 9.5 inches wide): {small}"
@@ -367,11 +419,15 @@ def test_every_formula_is_typeset(visits, page):
     leftover = RAW_TEX.findall(dom["prose"])
     assert not leftover, f"raw TeX in the text (a formula that never became math): {leftover}"
     if dom["math"]:
-        assert dom["mathjax"] and dom["mathjax"]["version"].startswith("3."), "MathJax 3 did not load"
-        assert dom["mathjax"]["processHtmlClass"] == MYST_MATHJAX_CLASSES, "MyST's mathjax3_config was lost"
+        assert dom["mathjax"] and dom["mathjax"]["version"].startswith("3."), (
+            "MathJax 3 did not load"
+        )
+        assert dom["mathjax"]["processHtmlClass"] == MYST_MATHJAX_CLASSES, (
+            "MyST's mathjax3_config was lost"
+        )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _anchors(path: Path) -> frozenset[str]:
     return frozenset(re.findall(r'\bid="([^"]+)"', path.read_text(encoding="utf-8")))
 
@@ -388,7 +444,11 @@ def test_internal_links_resolve(visits, base_url, page):
             target = target / "index.html"
         if not target.is_file():
             broken.append(f"{link} (no such file)")
-        elif parts.fragment and target.suffix == ".html" and unquote(parts.fragment) not in _anchors(target):
+        elif (
+            parts.fragment
+            and target.suffix == ".html"
+            and unquote(parts.fragment) not in _anchors(target)
+        ):
             broken.append(f"{link} (no such anchor)")
     assert not broken, f"links to nothing: {broken}"
 
@@ -411,7 +471,9 @@ def test_download_button_gives_the_source(visits, base_url, page):
     assert downloads == [f"{base_url}_sources/{page}{suffix}"]
     served = HTML / "_sources" / f"{page}{suffix}"
     if suffix == ".ipynb":
-        assert nbformat.reads(served.read_text(encoding="utf-8"), as_version=4).cells, "the downloaded notebook is empty"
+        assert nbformat.reads(served.read_text(encoding="utf-8"), as_version=4).cells, (
+            "the downloaded notebook is empty"
+        )
 
 
 @pytest.mark.parametrize("page", CHAPTERS, ids=_ids)
@@ -427,7 +489,9 @@ def _channel(value: str) -> list[float]:
 
 def _contrast(a: str, b: str) -> float:
     def luminance(color: str) -> float:
-        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in _channel(color)]
+        lin = [
+            c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in _channel(color)
+        ]
         return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
 
     hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
@@ -440,11 +504,17 @@ def test_dark_mode_keeps_figures_legible(visits, page):
     assert dom["theme"] == "dark"
     for img in dom["images"]:
         if img["output"]:
-            assert img["background"] == "rgb(255, 255, 255)", f"{img['src']}: figure not on white in dark mode"
-            assert img["filter"] == "none", f"{img['src']}: figure colours altered in dark mode ({img['filter']})"
+            assert img["background"] == "rgb(255, 255, 255)", (
+                f"{img['src']}: figure not on white in dark mode"
+            )
+            assert img["filter"] == "none", (
+                f"{img['src']}: figure colours altered in dark mode ({img['filter']})"
+            )
     for box in dom["diagram"]:
         if box["text"] and box["box"]:
-            assert _contrast(box["text"], box["box"]) >= 4.5, f"diagram box {box['chapter']}: text unreadable in dark mode"
+            assert _contrast(box["text"], box["box"]) >= 4.5, (
+                f"diagram box {box['chapter']}: text unreadable in dark mode"
+            )
 
 
 def test_landing_page_links_every_published_chapter(visits, base_url):
@@ -454,14 +524,18 @@ def test_landing_page_links_every_published_chapter(visits, base_url):
     for box in boxes:
         published = box["chapter"] in CHAPTERS
         assert (box["href"] is not None) == published, (
-            f"diagram box {box['chapter']}: {'published, so it must link' if published else 'not in _toc.yml, so no link'}")
-        assert _contrast(box["text"], box["box"]) >= 4.5, f"diagram box {box['chapter']}: text unreadable"
+            f"diagram box {box['chapter']}: {'published, so it must link' if published else 'not in _toc.yml, so no link'}"
+        )
+        assert _contrast(box["text"], box["box"]) >= 4.5, (
+            f"diagram box {box['chapter']}: text unreadable"
+        )
     in_diagram = {box["chapter"] for box in boxes}
     links = set(dom["tableLinks"])
     for chapter in CHAPTERS:
         assert chapter in in_diagram, f"{chapter} has no box in intro.md's diagram"
         assert f"{base_url}{chapter}.html" in links, (
-            f"intro.md's table should link {chapter}: write its row as [N. Title]({chapter}.ipynb)")
+            f"intro.md's table should link {chapter}: write its row as [N. Title]({chapter}.ipynb)"
+        )
 
 
 def test_sidebar_buttons_open_the_navigation(browser, base_url):
@@ -470,7 +544,9 @@ def test_sidebar_buttons_open_the_navigation(browser, base_url):
     context = browser.new_context(viewport=VIEWPORT)
     page = context.new_page()
     page.goto(f"{base_url}{(CHAPTERS or PAGES)[0]}.html", wait_until="load")
-    collapsed = "document.querySelector('#pst-primary-sidebar').classList.contains('pst-sidebar-hidden')"
+    collapsed = (
+        "document.querySelector('#pst-primary-sidebar').classList.contains('pst-sidebar-hidden')"
+    )
     page.click(".bd-header-article .primary-toggle")
     assert page.evaluate(collapsed), "the sidebar button does not collapse the sidebar"
     page.click(".bd-header-article .primary-toggle")
@@ -478,7 +554,9 @@ def test_sidebar_buttons_open_the_navigation(browser, base_url):
     page.set_viewport_size(PHONE)
     for side in ("primary", "secondary"):
         page.click(f".bd-header-article .{side}-toggle")
-        assert page.evaluate(f"document.querySelector('#pst-{side}-sidebar-modal').open"), f"the {side} sidebar does not open on a phone"
+        assert page.evaluate(f"document.querySelector('#pst-{side}-sidebar-modal').open"), (
+            f"the {side} sidebar does not open on a phone"
+        )
         page.keyboard.press("Escape")
     context.close()
 
@@ -487,10 +565,15 @@ def test_built_pages_name_no_cdn():
     if _site_is_stale():
         _build_site()
     found = {}
-    for page in [HTML / f"{p}.html" for p in PAGES] + [HTML / "search.html", HTML / "genindex.html"]:
+    for page in [HTML / f"{p}.html" for p in PAGES] + [
+        HTML / "search.html",
+        HTML / "genindex.html",
+    ]:
         text = page.read_text(encoding="utf-8")
         hits = sorted({host for host in CDN_HOSTS if host in text})
-        hits += re.findall(r"<(?:script|link|img|iframe|source)\b[^>]*\b(?:src|href)=\"(https?://[^\"]+)\"", text)
+        hits += re.findall(
+            r"<(?:script|link|img|iframe|source)\b[^>]*\b(?:src|href)=\"(https?://[^\"]+)\"", text
+        )
         if hits:
             found[page.relative_to(HTML).as_posix()] = hits
     assert not found, f"pages that would load from another host: {json.dumps(found, indent=1)}"

@@ -135,7 +135,7 @@ def _check_stack(kind: str, ours: Encoder | Decoder, ref: nn.Module) -> None:
     if (ours.norm is None) != (ref.norm is None):
         raise ValueError(
             f"{kind}: ours {'has no' if ours.norm is None else 'has a'} final LayerNorm, "
-            f"PyTorch's {'has no' if ref.norm is None else 'has one'}. Ours has one only with "
+            f"PyTorch's {'has none' if ref.norm is None else 'has one'}. Ours has one only with "
             "norm_first=True (pre-norm); nn.Transformer adds one to both stacks even for "
             f"post-norm: set `ref.{kind}.norm = None` there, or build "
             f"nn.Transformer{kind.capitalize()}(..., norm=None)."
