@@ -252,3 +252,52 @@ def test_wrong_input_shapes_are_rejected():
     ours, _ = _pair()
     with pytest.raises(ValueError, match=r"batch-first \(B, L, .*12"):
         ours(torch.randn(L, D), torch.randn(S, D), torch.randn(S, D))
+
+
+# --- the packed projections (one GEMM) equal the three the chapters teach ----------------------
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("case", ["self", "both"])
+def test_packed_projections_equal_separate_ones(case, bias):
+    """``forward(x, x, x)`` runs q, k, v as one stacked matrix and ``project_kv(m, m)`` k and v
+    as one; given equal but distinct tensors the module runs ``q_proj``, ``k_proj`` and
+    ``v_proj`` one by one. Outputs and every weight's gradient agree."""
+    ours, _ = _pair(bias=bias)
+    query, key, value, masks = _inputs(case)
+    for need_weights in (False, True):
+        packed, w_packed = ours(query, key, value, need_weights=need_weights, **masks)
+        packed.square().sum().backward()
+        grads_packed = _grads(ours)
+        ours.zero_grad()
+        separate, w_separate = ours(
+            query, key.clone(), value.clone(), need_weights=need_weights, **masks
+        )
+        separate.square().sum().backward()
+        torch.testing.assert_close(packed, separate, atol=ATOL, rtol=0)
+        if need_weights:
+            torch.testing.assert_close(w_packed, w_separate, atol=ATOL, rtol=0)
+        for name, grad in _grads(ours).items():
+            torch.testing.assert_close(grads_packed[name], grad, atol=1e-4, rtol=1e-5, msg=name)
+        ours.zero_grad()
+
+
+def test_project_qkv_equals_the_three_projections():
+    ours, _ = _pair()
+    x = torch.randn(B, L, D)
+    q, kv = ours.project_qkv(x)
+
+    def heads(t: torch.Tensor) -> torch.Tensor:  # (B, L, D) -> (B, H, L, Dh)
+        return t.view(B, L, H, D // H).transpose(1, 2)
+
+    with torch.no_grad():
+        torch.testing.assert_close(q, heads(ours.q_proj(x)), atol=ATOL, rtol=0)
+        torch.testing.assert_close(kv.k, heads(ours.k_proj(x)), atol=ATOL, rtol=0)
+        torch.testing.assert_close(kv.v, heads(ours.v_proj(x)), atol=ATOL, rtol=0)
+    assert [n for n, _ in ours.named_parameters()] == [
+        f"{p}_proj.{w}" for p in ("q", "k", "v", "out") for w in ("weight", "bias")
+    ]  # packing adds no parameter: checkpoints and copy_mha are unchanged

@@ -247,3 +247,19 @@ def test_layers_ignore_padding(norm_first):
             torch.testing.assert_close(memory[b : b + 1, :s], memory_alone, atol=ATOL, rtol=ATOL)
             alone = decoder(x[b : b + 1, :t], memory_alone)
             torch.testing.assert_close(out[b : b + 1, :t], alone, atol=ATOL, rtol=ATOL)
+
+
+def test_layer_norm_fused_forward_equals_written_out():
+    """``forward`` (PyTorch's fused kernel) and ``written_out`` (the formula, chapter 5) agree
+    in values and in every gradient."""
+    set_seed(0)
+    _, ours = _random_layer_norm(64, 1e-5)
+    x = (3.0 * torch.randn(2, 5, 64) + 1.0).requires_grad_()
+    results = []
+    for forward in (ours, ours.written_out):
+        y = forward(x)
+        (y * torch.linspace(-1, 1, 64)).square().sum().backward()
+        results.append((y.detach(), x.grad.clone(), ours.weight.grad.clone(), ours.bias.grad))
+        x.grad, ours.weight.grad, ours.bias.grad = None, None, None
+    for fused, written in zip(*results, strict=True):
+        torch.testing.assert_close(fused, written, atol=1e-4, rtol=1e-5)

@@ -103,7 +103,10 @@ class MultiHeadAttention(nn.Module):
         ``need_weights=True``, per-head weights ``(B, H, L, S)``.
 
     ``forward`` = ``project_kv`` + ``attend``; decoding calls the two halves separately so that
-    keys and values computed once can be kept in a :class:`KVCache`.
+    keys and values computed once can be kept in a :class:`KVCache`. In self-attention
+    (``query is key is value``, as ``nn.MultiheadAttention`` tests it) ``forward`` computes the
+    three projections as one matrix product instead (:meth:`project_qkv`), and when
+    ``key is value`` the two of keys and values: the same numbers, fewer and larger GEMMs.
     """
 
     def __init__(
@@ -134,8 +137,34 @@ class MultiHeadAttention(nn.Module):
 
     def project_kv(self, key: Tensor, value: Tensor) -> KVCache:
         """Project keys and values and split them into heads:
-        ``(B, S, D)`` → ``(B, H, S, Dh)``."""
+        ``(B, S, D)`` → ``(B, H, S, Dh)``.
+
+        When ``key is value`` (cross-attention reads the memory twice) both projections run as
+        one matrix product, :meth:`_packed`, as in ``nn.MultiheadAttention``; the same numbers.
+        """
+        if key is value:
+            return KVCache(*self._packed(key, (self.k_proj, self.v_proj)))
         return KVCache(self._split_heads(self.k_proj(key)), self._split_heads(self.v_proj(value)))
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, KVCache]:
+        """Self-attention's three projections of ``x`` ``(B, L, D)`` as one matrix product.
+
+        Equal to ``q_proj``, ``k_proj`` and ``v_proj`` applied one by one. Returns queries
+        ``(B, H, L, Dh)`` and keys/values ``(B, H, L, Dh)``.
+        """
+        q, k, v = self._packed(x, (self.q_proj, self.k_proj, self.v_proj))
+        return q, KVCache(k, v)
+
+    def _packed(self, x: Tensor, projections: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
+        """``x`` ``(B, L, D)`` through several projections at once: their ``(D, D)`` weights
+        stacked into one ``(nD, D)`` matrix, like PyTorch's packed ``in_proj_weight``, so one
+        GEMM reads ``x`` once instead of n times. Returns each projection in heads
+        ``(B, H, L, Dh)``."""
+        B, L, _ = x.shape
+        weight = torch.cat([p.weight for p in projections])  # (nD, D)
+        bias = None if projections[0].bias is None else torch.cat([p.bias for p in projections])
+        out = F.linear(x, weight, bias).view(B, L, len(projections), self.n_heads, self.d_head)
+        return out.permute(2, 0, 3, 1, 4).unbind(0)  # n × (B, H, L, Dh)
 
     def attend(
         self,
@@ -147,9 +176,27 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``query`` ``(B, L, D)`` over projected keys/values ``(B, H, S, Dh)``."""
-        B, L, _ = query.shape
-        S = kv.k.size(2)
         q = self._split_heads(self.q_proj(query))  # 1) project: (B, H, L, Dh)
+        return self.attend_heads(
+            q,
+            kv,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            need_weights=need_weights,
+        )
+
+    def attend_heads(
+        self,
+        q: Tensor,
+        kv: KVCache,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """As :meth:`attend`, from queries already projected and split, ``(B, H, L, Dh)``."""
+        B, _, L, _ = q.shape
+        S = kv.k.size(2)
         dropout_p = self.dropout if self.training else 0.0
         blocked = merge_masks(  # True = blocked, (B or 1, H or 1, L or 1, S)
             attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S, n_heads=self.n_heads
@@ -181,9 +228,13 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """Returns ``(output (B, L, D), per-head weights (B, H, L, S) or None)``."""
         self._check_inputs(query, key, value)
-        return self.attend(
-            query,
-            self.project_kv(key, value),
+        if query is key and key is value:  # self-attention: the three projections as one
+            q, kv = self.project_qkv(query)
+        else:
+            q, kv = self._split_heads(self.q_proj(query)), self.project_kv(key, value)
+        return self.attend_heads(
+            q,
+            kv,
             key_padding_mask=key_padding_mask,
             attn_mask=attn_mask,
             need_weights=need_weights,

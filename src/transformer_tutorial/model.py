@@ -348,7 +348,11 @@ class Transformer(nn.Module):
             raise ValueError(f"{name} must be token ids of shape (B, L), got {tuple(ids.shape)}")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+        # The range check reads the ids' values; torch.compile skips it (it would split the
+        # graph at every call).
+        if torch.compiler.is_compiling() or not ids.numel():
+            return
+        if not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
             raise ValueError(
                 f"{name} holds ids from {int(ids.min())} to {int(ids.max())}; valid ids are "
                 f"0 to {vocab_size - 1} (the vocabulary has {vocab_size} tokens)"
