@@ -4,6 +4,7 @@ validation loss is training's criterion with dropout off."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import replace
@@ -118,3 +119,29 @@ def test_evaluate_loss_is_the_training_criterion_per_token_with_dropout_off(pair
             model.eval()(src, tgt_in), tgt_out, smoothing=0.1, ignore_index=PAD_ID
         )
     assert loss == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_training_gives_the_eager_losses_and_plain_checkpoints(pairs, tmp_path):
+    """``compile=True`` wires torch.compile into the step. The compiler backend here is
+    ``aot_eager`` (TorchDynamo's graph capture and AOTAutograd's joint forward–backward, run by
+    eager kernels): the default, inductor, takes minutes to build C++ kernels on a CI CPU for every
+    batch shape. No dropout: compiled dropout draws other random numbers than eager."""
+    config = replace(CONFIG, model=replace(CONFIG.model, dropout=0.0), log_every=1)
+    losses = {}
+    aot_eager = functools.partial(torch.compile, backend="aot_eager")
+    for compiled in (False, True):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "compile", aot_eager)
+            fit(
+                config,
+                *pairs,
+                vocab_size=VOCAB,
+                out_dir=tmp_path / str(compiled),
+                options=RunOptions(seed=SEED, progress=False, max_steps=3, compile=compiled),
+            )
+        last = torch.load(tmp_path / str(compiled) / "last.pt", weights_only=True)
+        losses[compiled] = [e["train_loss"] for e in last["state"]["history"]["train"]]
+        assert not any(name.startswith(("_orig_mod.", "module.")) for name in last["model"])
+    assert len(losses[True]) == 3
+    assert losses[True] == pytest.approx(losses[False], abs=1e-5)

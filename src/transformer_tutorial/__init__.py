@@ -9,7 +9,9 @@ The training side (chapter 10), one job a module, none of which the model import
 (corpus, tokenizer, batches), ``optim`` (loss, optimizer, schedule), ``configs`` (the named
 recipes), ``checkpoint`` (save and load), ``trainer`` (the loop), ``runs`` (a whole run, its
 record, the runs cache); ``decode`` (chapter 11: greedy, beam search, BLEU). The command lines
-are ``train`` and ``translate``; ``runtime`` picks the device and seeds.
+are ``train`` and ``translate``; ``runtime`` picks the device and seeds. Chapter 12 adds
+``precision`` (fp32, bf16 or fp16 with loss scaling) and ``distributed`` (many processes under
+``torchrun``), which the trainer uses.
 
 Shape vocabulary, batch-first everywhere:
 

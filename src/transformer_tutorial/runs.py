@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import load_model
 from transformer_tutorial.configs import CONFIGS, TrainConfig
 from transformer_tutorial.data import (
@@ -33,6 +34,7 @@ from transformer_tutorial.data import (
     train_tokenizer,
 )
 from transformer_tutorial.decode import bleu, translate_sentences
+from transformer_tutorial.precision import resolve_precision
 from transformer_tutorial.runtime import get_device
 from transformer_tutorial.trainer import RunOptions, fit
 
@@ -112,13 +114,16 @@ def _cpu_name() -> str:
         return platform.processor()
 
 
-def _hardware(device: torch.device) -> dict:
+def _hardware(device: torch.device, options: RunOptions) -> dict:
     info = {
         "device": str(device),
         "platform": platform.platform(),
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "processes": distributed.world_size(),
+        "precision": resolve_precision(options.precision, device),
+        "compiled": options.compile,
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -131,9 +136,12 @@ def run_experiment(
     out_dir: Path | str,
     options: RunOptions = RunOptions(),
     command: Sequence[str] = (),
-) -> RunRecord:
+) -> RunRecord | None:
     """The whole experiment: data, tokenizer, :func:`fit`, then BLEU on test2016 with the best
-    weights (greedy and beam search), written to ``out_dir/record.json`` and returned."""
+    weights (greedy and beam search), written to ``out_dir/record.json`` and returned.
+
+    Under ``torchrun`` every rank trains; rank 0 alone learns the tokenizer, scores and writes
+    the record, and the other ranks return None once training ends."""
     wall_start = time.monotonic()
     git = _git_commit()  # the code as the run starts, not as it ends
     out_dir = Path(out_dir)
@@ -143,11 +151,10 @@ def run_experiment(
     val_src, val_tgt = load_split("val")
     test_src, test_tgt = (side[: config.eval_size] for side in load_split("test"))
     tokenizer_path = out_dir / "tokenizer.json"
-    if options.resume:
-        tokenizer = load_tokenizer(tokenizer_path)
-    else:
-        tokenizer = train_tokenizer(train_src + train_tgt, config.vocab_size)
-        save_tokenizer(tokenizer, tokenizer_path)
+    if not options.resume and distributed.is_main():
+        save_tokenizer(train_tokenizer(train_src + train_tgt, config.vocab_size), tokenizer_path)
+    distributed.barrier()  # the other ranks read the tokenizer rank 0 wrote
+    tokenizer = load_tokenizer(tokenizer_path)
     max_len = config.model.max_len
     fits = [
         (s, t)
@@ -163,6 +170,8 @@ def run_experiment(
         options=options,
         tokenizer_file=tokenizer_path.name,
     )
+    if not distributed.is_main():
+        return None
 
     best, _, best_checkpoint = load_model(out_dir / "best.pt", device)
     eval_start = time.monotonic()
@@ -176,7 +185,7 @@ def run_experiment(
         config=asdict(config),
         model_config=asdict(model.config),
         git=git,
-        hardware=_hardware(device),
+        hardware=_hardware(device, options),
         torch=torch.__version__,
         python=platform.python_version(),
         finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -281,6 +290,8 @@ def describe_run(record: RunRecord) -> str:
     epochs = record.epochs_completed
     threads = f"{hw['torch_threads']} torch thread{'s' if hw['torch_threads'] != 1 else ''}"
     device = hw.get("gpu") or f"{hw.get('cpu') or 'CPU'}, {hw['cpu_count']} cores, {threads}"
+    if hw.get("processes", 1) > 1:
+        device += f", {hw['processes']} processes (torchrun)"
     git = record.git
     code = "git unknown"
     if git["commit"]:

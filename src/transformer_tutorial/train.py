@@ -4,6 +4,10 @@ Command line::
 
     python -m transformer_tutorial.train --config small --out runs/small --max-minutes 60
 
+and, the same command on N GPUs of one machine (chapter 12)::
+
+    torchrun --nproc_per_node N -m transformer_tutorial.train --config base --out runs/base
+
 writes ``tokenizer.json``, ``last.pt`` (everything needed to resume), ``best.pt`` (the weights
 with the lowest validation loss) and ``record.json`` (what was run, where, and how it went).
 The work is done by :func:`transformer_tutorial.runs.run_experiment`.
@@ -19,9 +23,11 @@ from pathlib import Path
 
 import torch
 
+from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import CheckpointError, load_checkpoint
 from transformer_tutorial.configs import CONFIGS, TrainConfig
 from transformer_tutorial.data import DatasetUnavailableError
+from transformer_tutorial.precision import PRECISIONS
 from transformer_tutorial.runs import run_experiment
 from transformer_tutorial.runtime import get_device
 from transformer_tutorial.trainer import RunOptions, TrainingInterrupted
@@ -31,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m transformer_tutorial.train",
         description="Train the Transformer on Multi30k German→English, "
-        "then score it with BLEU on test2016.",
+        "then score it with BLEU on test2016. On N GPUs: "
+        "torchrun --nproc_per_node N -m transformer_tutorial.train ... "
+        "(each process trains on its share of the batches; rank 0 logs and writes the files).",
     )
     parser.add_argument(
         "--config",
@@ -81,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed for initialisation, dropout and batch order; default: %(default)s",
     )
     parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="the forward pass's numbers: auto is bf16 on a GPU that has it natively, fp16 "
+        "with loss scaling on other GPUs (T4, V100), fp32 on a CPU; default: %(default)s",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the training step through torch.compile (slower start, faster steps)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -121,6 +141,7 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions, Path]:
         "max_steps": "--max-steps",
         "max_minutes": "--max-minutes",
         "device": "--device",
+        "precision": "--precision",
     }
     try:
         config = replace(
@@ -133,6 +154,8 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions, Path]:
             max_steps=args.max_steps,
             max_minutes=args.max_minutes,
             progress=not args.no_progress,
+            precision=args.precision,
+            compile=args.compile,
         )
     except (TypeError, ValueError) as err:  # the checks name the field: say the flag
         message = str(err)
@@ -171,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config, options, out_dir = _prepare(args)
         if args.threads:
             torch.set_num_threads(args.threads)
+        # Under torchrun: join the other ranks; on GPUs each rank takes cuda:LOCAL_RANK.
+        device = distributed.setup(torch.device(options.device))
+        options = replace(options, device=str(device))
         record = run_experiment(config, out_dir=out_dir, options=options, command=command)
     except (UsageError, CheckpointError, DatasetUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -189,6 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    finally:
+        distributed.teardown()
+    if record is None:  # a rank other than 0: rank 0 reports
+        return 0
     scores = record.test2016
     print(
         f"{record.steps} steps, {record.train_time_s / 60:.1f} min, "

@@ -7,6 +7,10 @@ Nothing here knows about translation beyond "pairs of id sequences": :func:`fit`
 - ``last.pt``: everything needed to resume (weights, optimizer, schedule, :class:`TrainState`,
   random number generators), saved every ``checkpoint_every`` steps and when training stops;
 - ``best.pt``: the weights with the lowest validation loss so far.
+
+It also runs as one of several processes under ``torchrun`` (chapter 12,
+:mod:`~transformer_tutorial.distributed`): each rank trains on its share of the batches, the
+loss is normalised over the global batch, and only rank 0 validates and writes files.
 """
 
 from __future__ import annotations
@@ -23,14 +27,23 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import load_checkpoint, save_atomic
-from transformer_tutorial.checks import check_int, check_number, check_optional_int
+from transformer_tutorial.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_optional_int,
+)
 from transformer_tutorial.configs import TrainConfig
 from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.optim import make_optimizer, translation_loss
+from transformer_tutorial.precision import PRECISIONS, autocast, grad_scaler, resolve_precision
 from transformer_tutorial.runtime import check_device, set_seed
 
 Pairs = Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -75,11 +88,6 @@ class TrainingInterrupted(Exception):
         self.step, self.checkpoint = step, checkpoint
 
 
-def autocast(device: torch.device) -> torch.autocast:
-    """bf16 mixed precision on CUDA; plain float32 everywhere else."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
 @torch.no_grad()
 def evaluate_loss(
     model: Transformer,
@@ -88,14 +96,16 @@ def evaluate_loss(
     max_tokens: int,
     label_smoothing: float,
     device: torch.device,
+    precision: str = "auto",
 ) -> float:
-    """The mean loss per target token over ``pairs``, dropout off (training's criterion)."""
+    """The mean loss per target token over ``pairs``, dropout off (training's criterion), the
+    forward pass in ``precision`` (:mod:`~transformer_tutorial.precision`)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for batch in token_batches(pair_lengths(pairs), max_tokens):
         src, tgt_in, tgt_out = (x.to(device) for x in collate([pairs[i] for i in batch]))
-        with autocast(device):
+        with autocast(precision, device):
             logits = model(src, tgt_in)  # (B, T, V)
         total += translation_loss(
             logits, tgt_out, smoothing=label_smoothing, ignore_index=PAD_ID, reduction="sum"
@@ -134,14 +144,29 @@ class Trainer:
         device: torch.device,
         seed: int,
         tokenizer_file: str | None,
+        precision: str = "auto",
+        compile: bool = False,
     ) -> None:
         self.config, self.train_pairs, self.val_pairs = config, train_pairs, val_pairs
         self.out_dir, self.device, self.tokenizer_file = out_dir, device, tokenizer_file
+        self.seed, self.rank, self.world_size = seed, distributed.rank(), distributed.world_size()
         set_seed(seed)
         self.model = Transformer(config.model_config(vocab_size)).to(device)
+        self.precision = resolve_precision(precision, device)
+        self.scaler = grad_scaler(self.precision, device)
         self.optimizer, self.schedule = make_optimizer(
             self.model, lr=config.lr, warmup=config.warmup
         )
+        # What the training step calls: the model, wrapped for gradient averaging across ranks
+        # and compiled where asked. self.model stays the plain module: its state_dict has no
+        # wrapper prefixes, so checkpoints load without DDP or compile, and validation runs it.
+        self.train_model: nn.Module = self.model
+        if self.world_size > 1:
+            ids = [device.index] if device.type == "cuda" else None
+            self.train_model = DistributedDataParallel(self.model, device_ids=ids)
+            torch.manual_seed(seed + self.rank)  # same initial weights, own dropout masks
+        if compile:
+            self.train_model = torch.compile(self.train_model)
         self.batch_order = torch.Generator().manual_seed(seed)
         self.state = TrainState(epoch_start=self.batch_order.get_state())
         self.lengths = pair_lengths(train_pairs)
@@ -154,8 +179,16 @@ class Trainer:
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.schedule.load_state_dict(saved["scheduler"])
+        if saved.get("scaler") and self.scaler.is_enabled():  # fp16 then and now
+            self.scaler.load_state_dict(saved["scaler"])
         self.state = TrainState(**saved["state"])
-        _set_rng_states(saved["rng"])
+        rank_rng = saved.get("rank_rng", [])
+        if len(rank_rng) == self.world_size:
+            _set_rng_states(rank_rng[self.rank])
+        else:  # saved by a single process or another number of ranks
+            _set_rng_states(saved["rng"])
+            if self.rank:
+                torch.manual_seed(self.seed + self.rank + self.state.step)
         self.seconds_before = self.state.train_seconds
 
     def elapsed(self) -> float:
@@ -173,21 +206,32 @@ class Trainer:
         }
 
     def save_last(self) -> None:
-        """Write ``last.pt``: everything needed to resume."""
+        """Write ``last.pt``: everything needed to resume. Every rank calls it (each sends its
+        random number generators' states); rank 0 writes."""
         self.state.train_seconds = self.elapsed()
+        rank_rng = distributed.all_gather_object(_rng_states())
+        if self.rank:
+            return
+        extra = {"rank_rng": rank_rng} if self.world_size > 1 else {}
         save_atomic(
             {
                 **self._checkpoint(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.schedule.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "precision": self.precision,
                 "state": asdict(self.state),
-                "rng": _rng_states(),
+                "rng": rank_rng[0],
+                **extra,
             },
             self.out_dir / "last.pt",
         )
 
     def validate(self) -> float:
-        """The validation loss now; ``best.pt`` is rewritten when it is the lowest so far."""
+        """The validation loss now; ``best.pt`` is rewritten when it is the lowest so far.
+        Only rank 0 validates; the other ranks get NaN."""
+        if self.rank:
+            return math.nan
         state = self.state
         val_loss = evaluate_loss(
             self.model,
@@ -195,6 +239,7 @@ class Trainer:
             max_tokens=self.config.max_tokens,
             label_smoothing=self.config.label_smoothing,
             device=self.device,
+            precision=self.precision,
         )
         state.history["val"].append(
             {
@@ -210,22 +255,33 @@ class Trainer:
         return val_loss
 
     def train_step(self, batch: Sequence[int]) -> tuple[float, int]:
-        """One optimizer step on the pairs ``batch``; returns (summed loss, target tokens)."""
+        """One optimizer step on the pairs ``batch`` (this rank's share of the global batch);
+        returns the global batch's (summed loss, target tokens)."""
         src, tgt_in, tgt_out = (
             x.to(self.device) for x in collate([self.train_pairs[i] for i in batch])
         )
-        with autocast(self.device):
-            logits = self.model(src, tgt_in)  # (B, T, V)
-        loss = translation_loss(
-            logits, tgt_out, smoothing=self.config.label_smoothing, ignore_index=PAD_ID
+        with autocast(self.precision, self.device):
+            logits = self.train_model(src, tgt_in)  # (B, T, V)
+        loss_sum = translation_loss(
+            logits,
+            tgt_out,
+            smoothing=self.config.label_smoothing,
+            ignore_index=PAD_ID,
+            reduction="sum",
         )
+        # The mean over the target tokens of the global batch: DDP averages the ranks' gradients,
+        # so each rank's sum is scaled by world_size / global tokens (1 / tokens on one process).
+        totals = torch.stack([loss_sum.detach(), (tgt_out != PAD_ID).sum().float()])
+        global_loss_sum, global_tokens = distributed.all_reduce_sum(totals).tolist()
+        loss = loss_sum * (self.world_size / global_tokens)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        self.scaler.scale(loss).backward()  # fp16: the loss scaled up so gradients stay > 0
+        self.scaler.unscale_(self.optimizer)  # true gradients again, before clipping them
         nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_norm)
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)  # fp16: skipped when a gradient overflowed
+        self.scaler.update()
         self.schedule.step()
-        tokens = int((tgt_out != PAD_ID).sum())
-        return loss.item() * tokens, tokens
+        return global_loss_sum, round(global_tokens)
 
     def _after_step(self, bar: tqdm) -> None:
         """Log, validate and checkpoint on the config's schedule."""
@@ -297,7 +353,11 @@ class Trainer:
         returns that reason, or ``""`` when the epoch ended."""
         state = self.state
         self.batch_order.set_state(state.epoch_start)
-        batches = token_batches(self.lengths, self.config.max_tokens, generator=self.batch_order)
+        batches = distributed.shard_batches(
+            token_batches(self.lengths, self.config.max_tokens, generator=self.batch_order),
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         stopped_by = ""
         with tqdm(
             total=len(batches),
@@ -330,12 +390,15 @@ class Trainer:
 
         def should_stop() -> str:
             if self.stop_signal:
-                return "interrupted"
-            if max_steps is not None and state.step >= max_steps:
-                return "max_steps"
-            return "max_minutes" if time.monotonic() >= deadline else ""
+                reason = "interrupted"
+            elif max_steps is not None and state.step >= max_steps:
+                reason = "max_steps"
+            else:
+                reason = "max_minutes" if time.monotonic() >= deadline else ""
+            return distributed.agree_on_stop(reason, self.device)  # every rank stops together
 
         self.model.train()
+        progress = progress and self.rank == 0
         stopped_by = should_stop() if max_steps is not None else ""
         with self._stop_on_signals():
             while not stopped_by and state.epoch < self.config.epochs:
@@ -358,7 +421,10 @@ class RunOptions:
 
     Training stops after ``config.epochs`` epochs, ``max_steps`` optimizer steps in all, or
     ``max_minutes`` of this call, whichever comes first. With ``resume`` it goes on from
-    ``out_dir/last.pt`` exactly as if it had never stopped.
+    ``out_dir/last.pt`` exactly as if it had never stopped. ``precision`` is one of
+    :data:`~transformer_tutorial.precision.PRECISIONS` (``"auto"``: bf16 or fp16 on a CUDA GPU,
+    fp32 elsewhere); ``compile`` runs the training step's forward and backward through
+    ``torch.compile``.
     """
 
     device: str = "cpu"
@@ -367,9 +433,14 @@ class RunOptions:
     max_steps: int | None = None
     max_minutes: float | None = None
     progress: bool = True
+    precision: str = "auto"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check_int("seed", self.seed, at_least=0)
+        check_choice("precision", self.precision, PRECISIONS)
+        for name in ("resume", "progress", "compile"):
+            check_bool(name, getattr(self, name))
         check_optional_int("max_steps", self.max_steps, at_least=1)
         if self.max_minutes is not None:
             check_number("max_minutes", self.max_minutes, low=0.0, low_open=True)
@@ -403,6 +474,8 @@ def fit(
         device=torch.device(options.device),
         seed=options.seed,
         tokenizer_file=tokenizer_file,
+        precision=options.precision,
+        compile=options.compile,
     )
     if options.resume:
         trainer.resume()
