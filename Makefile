@@ -16,7 +16,7 @@ define timed
 	"in $$(( $$(date +%s) - start )) s"; exit $$status
 endef
 
-.PHONY: book test unit lint pytest chapters install execute clean
+.PHONY: book test unit lint pytest chapters install execute clean bench
 
 book: $(VENV)/.installed
 	rm -rf _build
@@ -44,6 +44,12 @@ pytest: $(VENV)/.installed
 # Each chapter copied alone into an empty folder and run under nbval against the wheel.
 chapters: $(VENV)/.installed
 	$(call timed,$(BIN)/python scripts/run_tests.py)
+
+# Speed against nn.Transformer, decoding, attention: one process, 2 CPU threads, <= 10 min on a
+# CPU; writes bench/results/<device>-<torch>.json and .png.
+# On a GPU: make bench BENCH_ARGS="--device cuda".
+bench: | $(VENV)/.installed
+	$(call timed,$(BIN)/python bench/bench.py $(BENCH_ARGS))
 
 # Re-run chapters so their stored outputs match the package (after changing code they import).
 execute: $(VENV)/.installed
