@@ -1,5 +1,5 @@
 """Fixtures shared by the test files: one torch thread, the Multi30k folder, a tiny model, the
-digit-reversal task, and a tiny trained checkpoint.
+digit-reversal task, a tiny trained checkpoint, and ``raises`` for the bad-input tables.
 
 Tests that need the corpus read ``MULTI30K_DIR`` (CI sets it). When it is unset and the
 project's shared read-only copy ``../shared/data/multi30k`` exists beside the repository, that
@@ -58,6 +58,16 @@ def multi30k_dir(default_multi30k_dir: None) -> Path:
             f"(none found at {SHARED_COPY})"
         )
     return Path(os.environ["MULTI30K_DIR"])
+
+
+def raises(call: Callable[[], object], error: type[Exception], phrase: str) -> BaseException:
+    """``call()`` raises ``error`` and its message contains ``phrase``; returns the exception.
+    The bad-input tables of the test files (bad input, exception, the phrase a user needs to
+    read) all check this."""
+    with pytest.raises(error) as info:
+        call()
+    assert phrase in str(info.value), f"{phrase!r} not in {str(info.value)!r}"
+    return info.value
 
 
 def tiny_config(**changes) -> TransformerConfig:

@@ -3,7 +3,8 @@
 Every numerical test compares against ``F.scaled_dot_product_attention`` or
 ``nn.MultiheadAttention`` with copied weights, so it fails if the 1/√d_k scale or the mask
 polarity changes. Multi-head tests run both paths: ``need_weights=True`` (our written-out
-function) and ``need_weights=False`` (PyTorch's fused kernel).
+function) and ``need_weights=False`` (PyTorch's fused kernel). Bad inputs (construction, shapes,
+masks, ``dropout_p``) raise an error whose message says what is wrong, in both paths.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import raises
 from transformer_tutorial import set_seed
 from transformer_tutorial.attention import MultiHeadAttention, scaled_dot_product_attention
 from transformer_tutorial.copy_weights import copy_mha
@@ -238,20 +240,129 @@ def test_mha_parameter_count(bias):
 # --- bad inputs say what is wrong ---------------------------------------------------------------
 
 
-def test_d_model_not_divisible_by_heads():
-    with pytest.raises(
-        ValueError, match=r"d_model=10 must be divisible by n_heads=4.*\[1, 2, 5, 10\]"
-    ):
-        MultiHeadAttention(10, 4)
+MHA_CONSTRUCTION_ROWS = [
+    ((8, 0), ValueError, "n_heads must be at least 1, got 0"),
+    ((8, 3), ValueError, "d_model=8 must be divisible by n_heads=3"),
+    (
+        (10, 4),
+        ValueError,
+        "n_heads=4: each head gets d_model // n_heads dimensions. Choose e.g. "
+        "n_heads in [1, 2, 5, 10]",
+    ),
+    ((0, 1), ValueError, "d_model must be at least 1"),
+    ((8, 2, 1.5), ValueError, "dropout must be in [0.0, 1.0], got 1.5"),
+    ((8, 2, -0.1), ValueError, "dropout must be in [0.0, 1.0]"),
+]
 
 
-def test_wrong_input_shapes_are_rejected():
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match="q, k, v must all be"):
-        scaled_dot_product_attention(q, k[0], v)
-    ours, _ = _pair()
-    with pytest.raises(ValueError, match=r"batch-first \(B, L, .*12"):
-        ours(torch.randn(L, D), torch.randn(S, D), torch.randn(S, D))
+@pytest.mark.parametrize(("args", "error", "phrase"), MHA_CONSTRUCTION_ROWS, ids=str)
+def test_multi_head_attention_refuses_bad_construction(args, error, phrase):
+    raises(lambda: MultiHeadAttention(*args), error, phrase)
+
+
+MHA_X = torch.randn(2, 5, 8)
+MHA_INPUT_ROWS = [
+    (
+        "key/value lengths",
+        lambda m: m(MHA_X, torch.randn(2, 6, 8), torch.randn(2, 7, 8)),
+        ValueError,
+        "key and value must have the same (B, S)",
+    ),
+    (
+        "key width",
+        lambda m: m(MHA_X, torch.randn(2, 6, 4), torch.randn(2, 6, 4)),
+        ValueError,
+        "query, key and value must be batch-first (B, L, D=8)",
+    ),
+    (
+        "unbatched (L, D)",
+        lambda m: m(MHA_X[0], MHA_X[0], MHA_X[0]),
+        ValueError,
+        "query, key and value must be batch-first (B, L, D=8)",
+    ),
+    ("query width", lambda m: m(torch.randn(2, 5, 6), MHA_X, MHA_X), ValueError, "(B, L, D=8)"),
+    (
+        "batch",
+        lambda m: m(MHA_X, MHA_X[:1], MHA_X[:1]),
+        ValueError,
+        "query and key must have the same batch size B",
+    ),
+    (
+        "mask heads",
+        lambda m: m(MHA_X, MHA_X, MHA_X, attn_mask=torch.zeros(2, 3, 5, 5, dtype=torch.bool)),
+        ValueError,
+        "(B, H, L, S) = (2, 2, 5, 5)",
+    ),
+    (
+        "mask batch",
+        lambda m: m(MHA_X, MHA_X, MHA_X, attn_mask=torch.zeros(3, 5, 5, dtype=torch.bool)),
+        ValueError,
+        "(B, L, S) = (2, 5, 5)",
+    ),
+    (
+        "padding mask length",
+        lambda m: m(MHA_X, MHA_X, MHA_X, key_padding_mask=torch.zeros(2, 4).bool()),
+        ValueError,
+        "key_padding_mask has shape (2, 4); expected (B, S) = (2, 5)",
+    ),
+    (
+        "float mask",
+        lambda m: m(MHA_X, MHA_X, MHA_X, attn_mask=torch.zeros(5, 5)),
+        TypeError,
+        "attn_mask must be a bool tensor with True = blocked",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"),
+    [r[1:] for r in MHA_INPUT_ROWS],
+    ids=[r[0] for r in MHA_INPUT_ROWS],
+)
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multi_head_attention_refuses_bad_inputs(call, error, phrase, need_weights):
+    mha = MultiHeadAttention(8, 2)
+    forward = mha.forward
+    mha.forward = lambda *a, **k: forward(*a, need_weights=need_weights, **k)
+    raises(lambda: call(mha), error, phrase)
+
+
+SDPA_Q = torch.randn(2, 2, 5, 4)
+SDPA_ROWS = [
+    (
+        "k/v lengths",
+        (SDPA_Q, torch.randn(2, 2, 6, 4), torch.randn(2, 2, 7, 4)),
+        {},
+        "k and v the same",
+    ),
+    (
+        "q/k widths",
+        (SDPA_Q, torch.randn(2, 2, 6, 3), torch.randn(2, 2, 6, 3)),
+        {},
+        "the width Dk of k",
+    ),
+    ("q/k batch", (SDPA_Q, SDPA_Q[:1], SDPA_Q[:1]), {}, "q the same (B, [H])"),
+    (
+        "ranks",
+        (SDPA_Q, SDPA_Q[0], SDPA_Q[0]),
+        {},
+        "must all be (B, L, Dk) or all (B, H, L, Dk)",
+    ),
+    (
+        "one rank differs",
+        (SDPA_Q, SDPA_Q[0], SDPA_Q),
+        {},
+        "q, k, v must all be (B, L, Dk) or all (B, H, L, Dk)",
+    ),
+    ("dropout_p", (SDPA_Q, SDPA_Q, SDPA_Q), {"dropout_p": 2.0}, "dropout_p must be in [0.0, 1.0]"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "phrase"), [r[1:] for r in SDPA_ROWS], ids=[r[0] for r in SDPA_ROWS]
+)
+def test_scaled_dot_product_attention_refuses_bad_inputs(args, kwargs, phrase):
+    raises(lambda: scaled_dot_product_attention(*args, **kwargs), ValueError, phrase)
 
 
 # --- the packed projections (one GEMM) equal the three the chapters teach ----------------------

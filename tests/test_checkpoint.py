@@ -1,13 +1,16 @@
 """Chapter 10's checkpoints: written atomically, read without running pickled code, a model back
-from a file in eval mode with its tokenizer, and a CheckpointError that says what is wrong."""
+from a file in eval mode with its tokenizer; and bad inputs: every kind of unreadable file raises
+one CheckpointError (no chained traceback) that says what is wrong."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 
 import pytest
 import torch
 
+from conftest import raises
 from transformer_tutorial.checkpoint import CheckpointError, load_model, save_atomic
 
 
@@ -56,28 +59,64 @@ def test_load_model_without_a_tokenizer_gives_none(tiny_model, tmp_path):
     torch.testing.assert_close(loaded(ids, ids), model(ids, ids), atol=0, rtol=0)
 
 
-def test_unreadable_checkpoints_raise_checkpoint_error(tiny_model, tmp_path):
-    def error(path) -> str:
-        with pytest.raises(CheckpointError) as info:
-            load_model(path)
-        assert info.value.__cause__ is None  # one clear message, not a chain of tracebacks
-        return str(info.value)
-
-    assert "checkpoint not found" in error(tmp_path / "nope.pt")
-    (tmp_path / "junk.pt").write_text("not a checkpoint")
-    assert "not a checkpoint written by transformer_tutorial.train" in error(tmp_path / "junk.pt")
-    torch.save({"weights": {}}, tmp_path / "other.pt")
-    assert "no model or model_config" in error(tmp_path / "other.pt")
-    torch.save({"model": {}, "model_config": {"d_model": 8, "flux": 1}}, tmp_path / "odd.pt")
-    assert "model config" in error(tmp_path / "odd.pt")
-    model = tiny_model()
-    bigger = asdict(model.config) | {"d_ff": 64}
-    torch.save({"model": model.state_dict(), "model_config": bigger}, tmp_path / "mismatch.pt")
-    assert "weights do not fit the model config" in error(tmp_path / "mismatch.pt")
-
-
 def test_loading_a_model_does_not_import_the_trainer(package_imports):
     """Translation needs the model and its checkpoint, never the training loop."""
     reached = package_imports("checkpoint")
     assert {"model", "data"} <= reached
     assert not reached & {"trainer", "runs", "optim", "configs"}
+
+
+# --- bad inputs: every kind of unreadable checkpoint --------------------------------------------
+
+
+def _bigger_config(path, model) -> None:
+    bigger = asdict(model.config) | {"d_ff": 64}
+    torch.save({"model": model.state_dict(), "model_config": bigger}, path)
+
+
+CHECKPOINT_ROWS = [
+    ("missing", lambda path, model: None, "checkpoint not found"),
+    (
+        "empty",
+        lambda path, model: path.write_bytes(b""),
+        "not a checkpoint written by transformer_tutorial.train (EOFError)",
+    ),
+    (
+        "random bytes",
+        lambda path, model: path.write_bytes(os.urandom(200)),
+        "not a checkpoint written by transformer_tutorial.train",
+    ),
+    (
+        "text",
+        lambda path, model: path.write_text("not a checkpoint"),
+        "not a checkpoint written by transformer_tutorial.train",
+    ),
+    (
+        "a tensor, not a dict",
+        lambda path, model: torch.save(torch.zeros(3), path),
+        "(no model or model_config)",
+    ),
+    (
+        "a dict without model",
+        lambda path, model: torch.save({"weights": {}}, path),
+        "no model or model_config",
+    ),
+    (
+        "unknown config field",
+        lambda path, model: torch.save(
+            {"model": {}, "model_config": {"d_model": 8, "flux": 1}}, path
+        ),
+        "model config",
+    ),
+    ("weights of another size", _bigger_config, "weights do not fit the model config"),
+]
+
+
+@pytest.mark.parametrize(
+    ("write", "phrase"), [r[1:] for r in CHECKPOINT_ROWS], ids=[r[0] for r in CHECKPOINT_ROWS]
+)
+def test_an_unreadable_checkpoint_raises_one_checkpoint_error(tiny_model, tmp_path, write, phrase):
+    path = tmp_path / "model.pt"
+    write(path, tiny_model())
+    error = raises(lambda: load_model(path), CheckpointError, phrase)
+    assert error.__cause__ is None  # one clear message, not a chain of tracebacks

@@ -1,5 +1,6 @@
 """Chapter 10's recipes: one registry that the CLI, the chapters and the benchmark read; each
-recipe builds its model, and a recipe refuses nonsense."""
+recipe builds its model and is frozen; and bad inputs: every field of a TrainConfig refuses
+nonsense with a message that says what is wrong."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import raises
 from transformer_tutorial.configs import CONFIGS, TrainConfig
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.optim import paper_peak_lr
@@ -56,12 +58,29 @@ def test_model_config_fits_the_vocabulary_bpe_learned():
     assert dataclasses.replace(model, src_vocab_size=8_000, tgt_vocab_size=8_000) == small.model
 
 
-def test_recipes_are_frozen_and_refuse_nonsense():
-    tiny = CONFIGS["tiny"]
+def test_recipes_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        tiny.lr = 1.0
-    with pytest.raises(TypeError, match="TransformerConfig"):
-        TrainConfig("odd", model=dataclasses.asdict(tiny.model))
-    for field, value in [("max_tokens", 0), ("lr", 0.0), ("label_smoothing", 1.0)]:
-        with pytest.raises(ValueError, match=field):
-            dataclasses.replace(tiny, **{field: value})
+        CONFIGS["tiny"].lr = 1.0
+
+
+# --- bad inputs: every field of a TrainConfig ---------------------------------------------------
+
+TRAIN_CONFIG_ROWS = [
+    ({"epochs": 0}, ValueError, "epochs must be at least 1, got 0"),
+    ({"beam_size": 0}, ValueError, "beam_size must be at least 1, got 0"),
+    ({"max_tokens": 0}, ValueError, "max_tokens must be at least 1, got 0"),
+    ({"max_tokens": -5}, ValueError, "max_tokens must be at least 1"),
+    ({"warmup": 0}, ValueError, "warmup must be at least 1"),
+    ({"lr": 0.0}, ValueError, "lr must be greater than 0.0"),
+    ({"label_smoothing": 1.0}, ValueError, "label_smoothing must be in [0.0, 1.0)"),
+    ({"clip_norm": -1.0}, ValueError, "clip_norm must be greater than 0.0"),
+    ({"eval_every": -1}, ValueError, "eval_every must be at least 0"),
+    ({"eval_size": 0}, ValueError, "eval_size must be at least 1"),
+    ({"alpha": -0.5}, ValueError, "alpha must be at least 0.0"),
+    ({"model": {"d_model": 8}}, TypeError, "model must be a TransformerConfig, got dict"),
+]
+
+
+@pytest.mark.parametrize(("changes", "error", "phrase"), TRAIN_CONFIG_ROWS, ids=str)
+def test_train_config_refuses_bad_fields(changes, error, phrase):
+    raises(lambda: dataclasses.replace(CONFIGS["tiny"], **changes), error, phrase)

@@ -1,5 +1,6 @@
 """Chapter 10's data: where files live, checksums, downloads (served from 127.0.0.1), the
-tokenizer, the word Vocab, token-count batches and collation."""
+tokenizer, the word Vocab, token-count batches and collation; and bad inputs: a MULTI30K_DIR
+that is not a folder, a tokenizer file that is missing or unreadable."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import raises
 from transformer_tutorial import data
 from transformer_tutorial.data import (
     BOS_ID,
@@ -39,10 +41,8 @@ def test_data_dir_follows_the_environment(monkeypatch, tmp_path):
     assert data.data_dir() == tmp_path / "xdg" / "transformer_tutorial" / "multi30k"
     monkeypatch.setenv("TRANSFORMER_TUTORIAL_CACHE", str(tmp_path / "cache"))
     assert data.data_dir() == tmp_path / "cache" / "multi30k"
-    monkeypatch.setenv("MULTI30K_DIR", str(tmp_path / "m30k"))
-    with pytest.raises(DatasetUnavailableError, match="is not a folder"):
-        data.data_dir()  # a typo must not download the corpus somewhere unexpected
     (tmp_path / "m30k").mkdir()
+    monkeypatch.setenv("MULTI30K_DIR", str(tmp_path / "m30k"))
     assert data.data_dir() == tmp_path / "m30k"
 
 
@@ -239,3 +239,31 @@ def test_collate_pads_and_shifts_the_target():
     assert tgt_in.tolist() == [[BOS_ID, 8, 9, PAD_ID, PAD_ID], [BOS_ID, 8, 9, 10, 11]]
     assert tgt_out.tolist() == [[8, 9, EOS_ID, PAD_ID, PAD_ID], [8, 9, 10, 11, EOS_ID]]
     assert data.pair_lengths([([5, 6, 7], [8, 9]), ([5], [8, 9, 10, 11])]) == [3, 5]
+
+
+# --- bad inputs: the corpus folder, the tokenizer file ------------------------------------------
+
+
+def test_a_multi30k_dir_that_does_not_exist_is_an_error_not_created(tmp_path, monkeypatch):
+    """A typo must not download the corpus somewhere unexpected."""
+    missing = tmp_path / "typo"
+    monkeypatch.setenv("MULTI30K_DIR", str(missing))
+    raises(data.data_dir, DatasetUnavailableError, f"MULTI30K_DIR={missing} is not a folder")
+    assert not missing.exists()
+
+
+TOKENIZER_ROWS = [
+    (None, "tokenizer not found"),
+    (b"{", "cannot read the tokenizer"),
+    (b"", "cannot read"),
+]
+
+
+@pytest.mark.parametrize(
+    ("content", "phrase"), TOKENIZER_ROWS, ids=["missing", "corrupt", "empty"]
+)
+def test_an_unreadable_tokenizer_is_refused(tmp_path, content, phrase):
+    path = tmp_path / "tokenizer.json"
+    if content is not None:
+        path.write_bytes(content)
+    raises(lambda: data.load_tokenizer(path), ValueError, phrase)

@@ -1,6 +1,7 @@
 """Chapter 11, decoding: KV cache == recompute, batched == one by one, min_len, beam size 1 ==
 greedy, a wide beam finds the true maximum, finished hypotheses stay finished, translating text
-(order, mode, budget, bad input) and BLEU."""
+(order, mode, budget) and BLEU; and bad inputs: every argument of the decoders, of
+``translate_sentences`` and of ``bleu`` refused with a message that says what is wrong."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import raises
+from transformer_tutorial.checkpoint import load_model
 from transformer_tutorial.decode import (
     EXTRA_DECODE_TOKENS,
     beam_search,
@@ -250,7 +253,7 @@ class CharTokenizer:
         return ["".join(chr(ord("a") + i - 3) for i in ids if i >= 3) for ids in batch]
 
 
-def test_translate_keeps_order_restores_mode_and_rejects_bad_input():
+def test_translate_keeps_order_and_restores_mode():
     model = tiny_model().train()
     sentences = ["abcdef", "ab", "ghi"]
     out = translate_sentences(model, CharTokenizer(), sentences, max_len=6)
@@ -260,10 +263,6 @@ def test_translate_keeps_order_restores_mode_and_rejects_bad_input():
     assert out[1] == CharTokenizer().decode_batch([strip_eos(direct)])[0]
     beam = translate_sentences(model, CharTokenizer(), sentences, beam_size=3, max_len=6)
     assert len(beam) == 3
-    with pytest.raises(ValueError, match="sentence 2 is empty"):
-        translate_sentences(model, CharTokenizer(), ["abc", ""])
-    with pytest.raises(ValueError, match="max_len=32"):
-        translate_sentences(model, CharTokenizer(), ["a" * 40])
 
 
 def never_ending_model(max_len: int) -> Transformer:
@@ -284,3 +283,102 @@ def test_translate_allows_extra_decode_tokens_beyond_the_source_by_default(beam_
     cramped = never_ending_model(max_len=20)
     (out,) = translate_sentences(cramped, CharTokenizer(), ["abcdefghi"], beam_size=beam_size)
     assert len(out) == 20
+
+
+# --- bad inputs: the decoders, translate_sentences, bleu ----------------------------------------
+
+BAD_SRC = torch.tensor([[3, 4, 5, PAD], [6, 7, 8, 9]])
+DECODE_ROWS = [
+    (
+        "beam 0",
+        lambda m: beam_search(m, BAD_SRC, beam_size=0, max_len=5, **IDS),
+        ValueError,
+        "beam_size must be at least 1, got 0",
+    ),
+    (
+        "beam -2",
+        lambda m: beam_search(m, BAD_SRC, beam_size=-2, max_len=5, **IDS),
+        ValueError,
+        "beam_size must be at least 1, got -2",
+    ),
+    (
+        "beam 2.5",
+        lambda m: beam_search(m, BAD_SRC, beam_size=2.5, max_len=5, **IDS),
+        TypeError,
+        "beam_size must be an int",
+    ),
+    (
+        "beam max_len 0",
+        lambda m: beam_search(m, BAD_SRC, beam_size=2, max_len=0, **IDS),
+        ValueError,
+        "max_len must be at least 1, got 0",
+    ),
+    (
+        "negative alpha",
+        lambda m: beam_search(m, BAD_SRC, beam_size=2, max_len=5, alpha=-1.0, **IDS),
+        ValueError,
+        "alpha must be at least 0.0",
+    ),
+    (
+        "greedy max_len 0",
+        lambda m: greedy_decode(m, BAD_SRC, max_len=0, **IDS),
+        ValueError,
+        "max_len must be at least 1, got 0",
+    ),
+    (
+        "greedy min_len -1",
+        lambda m: greedy_decode(m, BAD_SRC, max_len=3, min_len=-1, **IDS),
+        ValueError,
+        "min_len must be at least 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), [r[1:] for r in DECODE_ROWS], ids=[r[0] for r in DECODE_ROWS]
+)
+def test_decoders_refuse_bad_arguments(call, error, phrase):
+    raises(lambda: call(tiny_model(vocab_size=13)), error, phrase)
+
+
+TRANSLATE_ROWS = [
+    ("a str", "Ein Satz", {}, TypeError, "sentences must be a list of sentences, got one str"),
+    ("not a list", 42, {}, TypeError, "sentences must be a list of str, got int"),
+    ("a non-str item", ["Ein Satz", 3], {}, TypeError, "sentences[1] must be a str, got int"),
+    ("beam 0", ["Ein Satz"], {"beam_size": 0}, ValueError, "beam_size must be at least 1"),
+    (
+        "max_len 0",
+        ["Ein Satz"],
+        {"max_len": 0},
+        ValueError,
+        "max_len=0 must be between 1 and the model's max_len=24",
+    ),
+    ("max_tokens 0", ["Ein Satz"], {"max_tokens": 0}, ValueError, "max_tokens must be at least 1"),
+    ("empty", ["Ein Satz", ""], {}, ValueError, "sentence 2 is empty"),
+    ("too long", [" ".join(["Hund"] * 40)], {}, ValueError, "more than the model's max_len=24"),
+]
+
+
+@pytest.mark.parametrize(
+    ("sentences", "kwargs", "error", "phrase"),
+    [r[1:] for r in TRANSLATE_ROWS],
+    ids=[r[0] for r in TRANSLATE_ROWS],
+)
+def test_translate_sentences_refuses_bad_arguments(
+    tiny_checkpoint, sentences, kwargs, error, phrase
+):
+    model, tokenizer, _ = load_model(tiny_checkpoint)
+    raises(lambda: translate_sentences(model, tokenizer, sentences, **kwargs), error, phrase)
+
+
+BLEU_ROWS = [
+    ([], [], ValueError, "bleu needs at least one hypothesis"),
+    (["a b"], ["a b", "c"], ValueError, "1 hypotheses but 2 references"),
+    ("a b", ["a b"], TypeError, "hyps must be a list of sentences, got one str"),
+    (["a b"], [None], TypeError, "refs[0] must be a str"),
+]
+
+
+@pytest.mark.parametrize(("hyps", "refs", "error", "phrase"), BLEU_ROWS, ids=str)
+def test_bleu_refuses_bad_arguments(hyps, refs, error, phrase):
+    raises(lambda: bleu(hyps, refs), error, phrase)

@@ -1,8 +1,9 @@
 """Chapters 7–9: the encoder and decoder stacks and the whole Transformer — equal to PyTorch's
 with copied weights (both ``norm_first`` values), teacher forcing equal to decoding one position
 at a time (recomputed and with the KV cache), masks derived from ``pad_id``, shared weights that
-are one tensor, tensor2tensor's initialisation, a validated frozen config, and a model that
-learns to reverse digits (and cheats once the causal mask is gone)."""
+are one tensor, tensor2tensor's initialisation, a frozen config, a model that learns to reverse
+digits (and cheats once the causal mask is gone), and bad inputs: every config field and every
+model input refused with a message that says what is wrong."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import transformer_tutorial.layers as layers
+from conftest import raises, tiny_config
 from transformer_tutorial.copy_weights import copy_decoder, copy_encoder, copy_transformer
 from transformer_tutorial.data import BOS_ID, PAD_ID
 from transformer_tutorial.layers import DecoderLayer, EncoderLayer
@@ -234,16 +236,6 @@ def test_masks_come_from_pad_id_appended_padding_changes_nothing(ids, tiny_model
             torch.testing.assert_close(padded[real], logits[real], atol=ATOL, rtol=0)
 
 
-def test_bad_token_ids_are_refused(tiny_model):
-    model = tiny_model()
-    with pytest.raises(ValueError, match="valid ids are 0 to 10"):
-        model(torch.tensor([[3, 11]]), torch.tensor([[BOS_ID, 3]]))
-    with pytest.raises(TypeError, match="integer token ids"):
-        model(torch.tensor([[3.0, 4.0]]), torch.tensor([[BOS_ID, 3]]))
-    with pytest.raises(ValueError, match=r"shape \(B, L\)"):
-        model(torch.tensor([3, 4]), torch.tensor([[BOS_ID, 3]]))
-
-
 def test_shared_and_tied_weights_are_one_tensor(tiny_model):
     V = 11
     model = tiny_model(tgt_vocab_size=V, share_embeddings=True, tie_output=True)
@@ -302,17 +294,12 @@ def test_init_normal_embeddings_xavier_matrices_zero_biases_and_padding_rows(
             assert torch.all(p == 1), name
 
 
-def test_config_is_frozen_and_validates(tiny_model):
+def test_config_is_frozen_and_replace_validates_the_copy(tiny_model):
     config = tiny_model().config
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.d_model = 32
     assert dataclasses.replace(config, d_model=32).d_model == 32
-    with pytest.raises(ValueError, match="divisible"):
-        dataclasses.replace(config, d_model=18)
-    with pytest.raises(ValueError, match="joint vocabulary"):
-        dataclasses.replace(config, share_embeddings=True)
-    with pytest.raises(ValueError, match="pad_id"):
-        dataclasses.replace(config, pad_id=config.src_vocab_size)
+    raises(lambda: dataclasses.replace(config, d_model=18), ValueError, "divisible by n_heads=4")
 
 
 def test_paper_base_parameter_count_on_meta_device():
@@ -330,6 +317,101 @@ def test_paper_base_parameter_count_on_meta_device():
     )
     # nn.Transformer: the same two stacks plus a final LayerNorm on each.
     assert sum(p.numel() for p in ref.parameters()) == encoder + decoder + 2 * norm
+
+
+# --- bad inputs: every config field, every model input -----------------------------------------
+
+CONFIG_ROWS = [
+    ({"n_heads": 0}, ValueError, "n_heads must be at least 1, got 0"),
+    ({"n_heads": 3}, ValueError, "d_model=16 must be divisible by n_heads=3"),
+    ({"n_encoder_layers": -1}, ValueError, "n_encoder_layers must be at least 1, got -1"),
+    ({"n_decoder_layers": 0}, ValueError, "n_decoder_layers must be at least 1, got 0"),
+    ({"d_ff": -4}, ValueError, "d_ff must be at least 1, got -4"),
+    ({"max_len": -1}, ValueError, "max_len must be at least 1, got -1"),
+    ({"d_model": 15, "n_heads": 5}, ValueError, "d_model=15 must be even"),
+    ({"d_model": 16.0}, TypeError, "d_model must be an int, got 16.0"),
+    ({"src_vocab_size": 0}, ValueError, "src_vocab_size must be at least 1, got 0"),
+    ({"tgt_vocab_size": True}, TypeError, "tgt_vocab_size must be an int"),
+    ({"dropout": 1.5}, ValueError, "dropout must be in [0.0, 1.0), got 1.5"),
+    ({"dropout": -0.1}, ValueError, "dropout must be in [0.0, 1.0)"),
+    ({"dropout": float("nan")}, ValueError, "dropout must be in"),
+    ({"layer_norm_eps": 0.0}, ValueError, "layer_norm_eps must be greater than 0.0"),
+    ({"activation": "tanh"}, ValueError, "activation must be one of ['gelu', 'relu']"),
+    ({"norm_first": "yes"}, TypeError, "norm_first must be True or False"),
+    ({"pad_id": 20}, ValueError, "pad_id=20 is not an id of both vocabularies"),
+    ({"pad_id": 11}, ValueError, "pad_id=11 is not an id of both vocabularies"),  # tgt's only
+    ({"pad_id": -1}, ValueError, "pad_id must be at least 0"),
+    ({"share_embeddings": True}, ValueError, "share_embeddings needs one joint vocabulary"),
+]
+
+
+@pytest.mark.parametrize(("changes", "error", "phrase"), CONFIG_ROWS, ids=str)
+def test_transformer_config_refuses_bad_fields(changes, error, phrase):
+    raises(lambda: tiny_config(**changes), error, phrase)
+
+
+BAD_SRC = torch.tensor([[3, 4, 5, PAD_ID], [6, 7, 8, 9]])
+BAD_TGT = torch.tensor([[BOS_ID, 3, 4], [BOS_ID, 5, PAD_ID]])
+MODEL_INPUT_ROWS = [
+    (
+        "src id = V",
+        lambda m: m(torch.tensor([[3, 11]]), BAD_TGT[:1]),
+        ValueError,
+        "valid ids are 0 to 10 (the vocabulary has 11 tokens)",
+    ),
+    (
+        "negative tgt id",
+        lambda m: m(BAD_SRC, torch.tensor([[1, -2, 3], [1, 2, 3]])),
+        ValueError,
+        "tgt holds ids from -2 to 3; valid ids are 0 to 12",
+    ),
+    (
+        "float ids",
+        lambda m: m(BAD_SRC.float(), BAD_TGT),
+        TypeError,
+        "src must hold integer token ids",
+    ),
+    (
+        "1-D ids",
+        lambda m: m(BAD_SRC[0], BAD_TGT),
+        ValueError,
+        "src must be token ids of shape (B, L)",
+    ),
+    (
+        "batch mismatch",
+        lambda m: m(BAD_SRC, BAD_TGT[:1]),
+        ValueError,
+        "src and tgt must hold the same number of sentences: src has 2 rows",
+    ),
+    (
+        "too long",
+        lambda m: m(torch.full((1, 40), 3), BAD_TGT[:1]),
+        ValueError,
+        "beyond max_len=32",
+    ),
+    (
+        "memory width",
+        lambda m: m.decode(BAD_TGT, torch.zeros(2, 4, 8)),
+        ValueError,
+        "memory must be the encoder's output (B, S, D) = (2, S, 16)",
+    ),
+    (
+        "memory batch",
+        lambda m: m.decode(BAD_TGT, torch.zeros(3, 4, 16)),
+        ValueError,
+        "memory must be the encoder's output",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"),
+    [r[1:] for r in MODEL_INPUT_ROWS],
+    ids=[r[0] for r in MODEL_INPUT_ROWS],
+)
+def test_model_refuses_bad_inputs(tiny_model, call, error, phrase):
+    model = tiny_model()
+    raises(lambda: call(model), error, phrase)
 
 
 # --- the sanity task: reverse a sequence of digits -----------------------------------------------

@@ -1,4 +1,5 @@
-"""runtime: the device is chosen once and must exist; one seed makes every generator repeat."""
+"""runtime: the device is chosen once and must exist (a bad device name or one this machine lacks
+is refused with the devices it has); one seed makes every generator repeat."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import raises
 from transformer_tutorial.runtime import get_device, set_seed
 
 
@@ -22,10 +24,19 @@ def test_get_device_takes_what_is_asked_and_otherwise_the_best_available(monkeyp
     assert get_device() == torch.device("cuda")
 
 
-def test_a_device_this_machine_lacks_is_refused_with_what_it_has(monkeypatch):
+DEVICE_ROWS = [
+    ("cuda", "device 'cuda' is not available here; this machine has ['cpu']"),
+    ("cpu:1", "device 'cpu:1' is not available here"),
+    ("bogus", "device 'bogus' is not a device name; this machine has ['cpu']"),
+]
+
+
+@pytest.mark.parametrize(("name", "phrase"), DEVICE_ROWS, ids=[r[0] for r in DEVICE_ROWS])
+def test_a_device_this_machine_lacks_is_refused_with_what_it_has(monkeypatch, name, phrase):
+    """On a machine with CPU only (whatever this one has)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match=r"not available here; this machine has \['cpu'"):
-        get_device("cuda")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    raises(lambda: get_device(name), ValueError, phrase)
 
 
 def test_set_seed_repeats_python_numpy_and_torch():

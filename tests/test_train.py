@@ -1,15 +1,20 @@
-"""The training command line, ``python -m transformer_tutorial.train``: its help, its refusals,
-and a tiny real run on Multi30k that resumes, records itself and translates."""
+"""The training command line, ``python -m transformer_tutorial.train``: its help, a tiny real run
+on Multi30k that resumes, records itself and translates, and Ctrl-C that saves and says how to
+resume; and bad inputs: every bad flag or folder refused before training in one line
+(``error: ...``, exit 1, no traceback, in a real process too)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from transformer_tutorial import train as train_cli
 from transformer_tutorial import translate as translate_cli
@@ -52,9 +57,7 @@ def test_unknown_config_is_a_usage_error(capsys):
     assert "invalid choice: 'huge'" in capsys.readouterr().err
 
 
-def test_refuses_to_resume_nothing_or_to_overwrite_a_run(tiny_checkpoint, tmp_path, capsys):
-    assert train_cli.main(["--config", "tiny", "--out", str(tmp_path), "--resume"]) == 1
-    assert "no checkpoint" in capsys.readouterr().err
+def test_refuses_to_overwrite_a_run_or_to_resume_another_recipe(tiny_checkpoint, capsys):
     run = str(tiny_checkpoint.parent)
     assert train_cli.main(["--config", "tiny", "--out", run]) == 1
     assert "already holds a run" in capsys.readouterr().err
@@ -96,3 +99,104 @@ def test_tiny_run_end_to_end_resumes_records_and_translates(multi30k_dir, tmp_pa
     checkpoint = str(out / "best.pt")
     assert translate_cli.main(["--checkpoint", checkpoint, "--beam", "2", *sentences]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.corpus
+def test_ctrl_c_saves_prints_how_to_resume_and_resume_works(multi30k_dir, tmp_path):
+    out = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "transformer_tutorial.train",
+        "--config",
+        "tiny",
+        "--out",
+        str(out),
+        "--epochs",
+        "50",
+        "--no-progress",
+        "--threads",
+        "1",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "last.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the first checkpoint: training is under way
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in err, err
+    assert "interrupted after step" in err and f"--out {out} --resume" in err
+    step = torch.load(out / "last.pt", weights_only=True)["step"]
+    assert f"after step {step}:" in err
+    resume = [
+        sys.executable,
+        "-m",
+        "transformer_tutorial.train",
+        "--config",
+        "tiny",
+        "--out",
+        str(out),
+        "--resume",
+        "--max-steps",
+        str(step + 2),
+        "--no-progress",
+    ]
+    done = subprocess.run(resume, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{step + 2} steps" in done.stdout
+
+
+# --- bad inputs: one line, exit 1, no traceback, nothing started --------------------------------
+
+TRAIN_CLI_ROWS = [
+    (["--max-steps", "0"], "--max-steps must be at least 1, got 0"),
+    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--beam", "0"], "--beam must be at least 1, got 0"),
+    (["--eval-size", "0"], "--eval-size must be at least 1, got 0"),
+    (["--max-minutes", "-1"], "--max-minutes must be greater than 0.0"),
+    (["--threads", "-1"], "--threads must be at least 1, got -1"),
+    (["--device", "bogus"], "device 'bogus' is not a device name"),
+    (["--resume"], "--resume: no checkpoint"),
+]
+
+
+@pytest.mark.parametrize(("argv", "phrase"), TRAIN_CLI_ROWS, ids=lambda a: " ".join(a))
+def test_bad_flags_are_refused_before_training(tmp_path, capsys, monkeypatch, argv, phrase):
+    started = []
+    monkeypatch.setattr(train_cli, "run_experiment", lambda *a, **k: started.append(1))
+    code = train_cli.main(["--config", "tiny", "--out", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err
+    assert code == 1 and not started
+    assert err.count("\n") == 1 and err.startswith("error: ") and phrase in err, err
+
+
+def test_a_file_as_out_and_a_corrupt_last_checkpoint_are_refused(tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert train_cli.main(["--config", "tiny", "--out", str(a_file)]) == 1
+    assert f"--out {a_file} is a file" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "last.pt").write_bytes(os.urandom(100))
+    assert train_cli.main(["--config", "tiny", "--out", str(tmp_path / "run"), "--resume"]) == 1
+    assert "not a checkpoint written by transformer_tutorial.train" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch: ~5 s
+def test_errors_show_no_traceback_in_a_real_process(tmp_path):
+    """The in-process tests above see main()'s return value; this one sees what a user sees."""
+    command = [
+        sys.executable,
+        "-m",
+        "transformer_tutorial.train",
+        "--config",
+        "tiny",
+        "--out",
+        str(tmp_path / "run"),
+        "--beam",
+        "0",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "error: --beam must be at least 1, got 0"
+    assert not (tmp_path / "run").exists()

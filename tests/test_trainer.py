@@ -1,22 +1,35 @@
 """Chapter 10's training loop: a resumed run equals an uninterrupted one, checkpoints hold what
-resuming needs, the time budget and the epochs stop it, training time is counted once, and the
-validation loss is training's criterion with dropout off."""
+resuming needs, the time budget and the epochs stop it, training time is counted once, the
+validation loss is training's criterion with dropout off, and a run stopped by Ctrl-C or SIGTERM
+saves its step and resumes exactly; bad RunOptions are refused with a message that says what is
+wrong."""
 
 from __future__ import annotations
 
 import functools
 import itertools
 import math
+import os
+import signal
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import raises
 from transformer_tutorial import trainer
 from transformer_tutorial.configs import CONFIGS
 from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
 from transformer_tutorial.optim import translation_loss
-from transformer_tutorial.trainer import RunOptions, TrainState, evaluate_loss, fit
+from transformer_tutorial.trainer import (
+    RunOptions,
+    Trainer,
+    TrainingInterrupted,
+    TrainState,
+    evaluate_loss,
+    fit,
+)
 
 VOCAB = 13  # the digit-reversal task's
 CONFIG = replace(
@@ -145,3 +158,53 @@ def test_compiled_training_gives_the_eager_losses_and_plain_checkpoints(pairs, t
         assert not any(name.startswith(("_orig_mod.", "module.")) for name in last["model"])
     assert len(losses[True]) == 3
     assert losses[True] == pytest.approx(losses[False], abs=1e-5)
+
+
+# --- interruption: Ctrl-C or SIGTERM lose nothing -----------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_saves_its_step_and_resumes_exactly(pairs, tmp_path, monkeypatch, sig):
+    config = replace(CONFIG, eval_every=0, checkpoint_every=0)  # only the interruption saves
+
+    def run(out_dir: Path, **options):
+        options = RunOptions(seed=SEED, progress=False, max_steps=12, **options)
+        return fit(config, *pairs, vocab_size=VOCAB, out_dir=out_dir, options=options)
+
+    straight, _ = run(tmp_path / "straight")
+    step = Trainer.train_step
+
+    def step_then_signal(self, batch):
+        result = step(self, batch)
+        if self.state.step == 4:  # the signal arrives during the fifth step
+            os.kill(os.getpid(), sig)
+        return result
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    with pytest.raises(TrainingInterrupted) as info:
+        run(tmp_path / "resumed")
+    monkeypatch.undo()
+    assert info.value.step == 5 and info.value.checkpoint == tmp_path / "resumed" / "last.pt"
+    assert torch.load(info.value.checkpoint, weights_only=True)["step"] == 5
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    resumed, state = run(tmp_path / "resumed", resume=True)
+    assert state.step == 12
+    for (name, a), b in zip(
+        straight.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+# --- bad inputs: RunOptions ---------------------------------------------------------------------
+
+RUN_OPTIONS_ROWS = [
+    ({"max_steps": 0}, ValueError, "max_steps must be at least 1, got 0"),
+    ({"max_minutes": 0.0}, ValueError, "max_minutes must be greater than 0.0"),
+    ({"seed": -1}, ValueError, "seed must be at least 0"),
+    ({"device": "bogus"}, ValueError, "device 'bogus' is not a device name"),
+]
+
+
+@pytest.mark.parametrize(("changes", "error", "phrase"), RUN_OPTIONS_ROWS, ids=str)
+def test_run_options_refuse_bad_values(changes, error, phrase):
+    raises(lambda: RunOptions(**changes), error, phrase)

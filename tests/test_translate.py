@@ -1,5 +1,6 @@
 """The translation command line, ``python -m transformer_tutorial.translate``: its help, one
-translation a line for arguments or standard input, and a clear error for every bad input."""
+translation a line for arguments or standard input; and bad inputs: every bad flag, text or
+checkpoint folder is one line (``error: ...``), exit 1, nothing on standard output."""
 
 from __future__ import annotations
 
@@ -62,31 +63,81 @@ def test_one_translation_a_line_for_standard_input(tiny_checkpoint, monkeypatch,
     assert len(capsys.readouterr().out.splitlines()) == len(SENTENCES)
 
 
-def test_bad_input_is_a_clear_error(tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    checkpoint = str(tiny_checkpoint)
-
-    def error(*argv: str) -> str:
-        assert translate_cli.main(list(argv)) == 1
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and "Traceback" not in err
-        return err
-
-    assert "checkpoint not found" in error("--checkpoint", str(tmp_path / "nope.pt"), "Hund")
-    (tmp_path / "junk.pt").write_text("not a checkpoint")
-    assert "not a checkpoint written by" in error("--checkpoint", str(tmp_path / "junk.pt"), "x")
-    torch.save({"model": {}, "model_config": {"d_model": 8}}, tmp_path / "odd.pt")
-    assert "model config" in error("--checkpoint", str(tmp_path / "odd.pt"), "Hund")
-    assert "argument 1 has" in error("--checkpoint", checkpoint, "Hund " * 30)
-    too_long = error("--checkpoint", checkpoint, "--max-len", "99", "Hund")
-    assert "max_len=99 must be between 1 and the model's max_len=24" in too_long
-    assert "--beam must be at least 1" in error("--checkpoint", checkpoint, "--beam", "0", "x")
-    stdin(monkeypatch, b"Ein Hund.\n\nZwei.\n")
-    assert "line 2 is empty" in error("--checkpoint", checkpoint)
-    stdin(monkeypatch, b"")
-    assert "no text" in error("--checkpoint", checkpoint)
-
-
 def test_translating_does_not_import_the_trainer(package_imports):
     reached = package_imports("translate")
     assert {"checkpoint", "decode"} <= reached
     assert not reached & {"trainer", "runs", "optim"}
+
+
+# --- bad inputs: one line, exit 1, nothing on standard output -----------------------------------
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """Run the command in-process; it must fail with one ``error: ...`` line and no output."""
+    code = translate_cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 1 and not out, out
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+TRANSLATE_CLI_ROWS = [
+    (["--beam", "0", "Ein Hund."], None, "--beam must be at least 1, got 0"),
+    (["--max-len", "0", "Ein Hund."], None, "--max-len must be at least 1, got 0"),
+    (["--alpha", "-1", "Ein Hund."], None, "--alpha must be at least 0, got -1.0"),
+    (["--device", "bogus", "Ein Hund."], None, "--device: device 'bogus'"),
+    ([], b"Ein \xff Hund\n", "standard input is not UTF-8 text (byte 0xff at offset 4)"),
+    ([], b"", "no text: pass German sentences"),
+    ([], b"Ein Hund.\n\nEine Katze.\n", "line 2 is empty"),
+    (["--max-len", "99", "Ein Hund."], None, "max_len=99 must be between 1 and the model's"),
+    (["Hund " * 30], None, "argument 1 has"),
+]
+
+
+@pytest.mark.parametrize(("argv", "data", "phrase"), TRANSLATE_CLI_ROWS, ids=str)
+def test_bad_flags_and_text_are_one_line_errors(
+    tiny_checkpoint, capsys, monkeypatch, argv, data, phrase
+):
+    stdin(monkeypatch, data or b"")
+    err = one_line_error(capsys, ["--checkpoint", str(tiny_checkpoint), *argv])
+    assert phrase in err, err
+
+
+FOLDER_ROWS = [
+    ("missing", lambda checkpoint, tokenizer: checkpoint.unlink(), "checkpoint not found"),
+    ("empty", lambda checkpoint, tokenizer: checkpoint.write_bytes(b""), "(EOFError)"),
+    (
+        "random",
+        lambda checkpoint, tokenizer: checkpoint.write_bytes(os.urandom(300)),
+        "not a checkpoint written",
+    ),
+    (
+        "odd model config",
+        lambda checkpoint, tokenizer: torch.save(
+            {"model": {}, "model_config": {"d_model": 8}}, checkpoint
+        ),
+        "model config",
+    ),
+    ("no tokenizer", lambda checkpoint, tokenizer: tokenizer.unlink(), "tokenizer not found"),
+    (
+        "bad tokenizer",
+        lambda checkpoint, tokenizer: tokenizer.write_text("{ not json"),
+        "cannot read the tokenizer",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("damage", "phrase"), [r[1:] for r in FOLDER_ROWS], ids=[r[0] for r in FOLDER_ROWS]
+)
+def test_an_unreadable_checkpoint_folder_is_a_one_line_error(
+    tiny_checkpoint, tmp_path, capsys, damage, phrase
+):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    checkpoint, tokenizer = folder / "best.pt", folder / "tokenizer.json"
+    checkpoint.write_bytes(tiny_checkpoint.read_bytes())
+    tokenizer.write_bytes((tiny_checkpoint.parent / "tokenizer.json").read_bytes())
+    damage(checkpoint, tokenizer)
+    err = one_line_error(capsys, ["--checkpoint", str(checkpoint), "Ein Hund."])
+    assert phrase in err, err
