@@ -231,7 +231,12 @@ def ratio_row(config: str, length: int, sentences: int, timed: dict) -> dict:
         "ours_spread": ours["spread"],
         "torch_spread": theirs["spread"],
         "ratio": theirs["median_s"] / ours["median_s"],
-        "cpu_ratio": theirs["cpu_median_s"] / ours["cpu_median_s"],
+        # A tiny --quick step can take less CPU time than the clock resolves: no ratio then.
+        "cpu_ratio": (
+            theirs["cpu_median_s"] / ours["cpu_median_s"]
+            if ours["cpu_median_s"] > 0
+            else float("nan")
+        ),
     }
 
 
