@@ -209,9 +209,9 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     is 24."""
     from dataclasses import replace
 
-    from transformer_tutorial.configs import CONFIGS
+    from transformer_tutorial.configs import CONFIGS, RunOptions
     from transformer_tutorial.data import encode_pairs, save_tokenizer, train_tokenizer
-    from transformer_tutorial.trainer import RunOptions, fit
+    from transformer_tutorial.trainer import fit
 
     folder = tmp_path_factory.mktemp("run")
     tokenizer = train_tokenizer(SENTENCES + TRANSLATIONS, vocab_size=80)

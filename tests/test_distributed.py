@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from transformer_tutorial import distributed
-from transformer_tutorial.configs import CONFIGS
+from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import pair_lengths, token_batches
-from transformer_tutorial.trainer import RunOptions, Trainer, fit
+from transformer_tutorial.trainer import Trainer, fit
 
 VOCAB = 13  # the digit-reversal task's
 SEED, STEPS, WORLD = 3, 4, 2
@@ -104,8 +104,7 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
         *pairs,
         vocab_size=VOCAB,
         out_dir=tmp_path / "one",
-        device=torch.device("cpu"),
-        seed=SEED,
+        options=RunOptions(seed=SEED),
         tokenizer_file=None,
     )
     batches = token_batches(

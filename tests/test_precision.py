@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from transformer_tutorial.configs import CONFIGS
+from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import PAD_ID
 from transformer_tutorial.precision import autocast, grad_scaler, resolve_precision
-from transformer_tutorial.trainer import RunOptions, fit
+from transformer_tutorial.trainer import fit
 
 VOCAB = 13  # the digit-reversal task's
 CONFIG = replace(

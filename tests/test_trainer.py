@@ -19,11 +19,10 @@ import torch
 
 from conftest import raises
 from transformer_tutorial import trainer
-from transformer_tutorial.configs import CONFIGS
+from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
 from transformer_tutorial.optim import translation_loss
 from transformer_tutorial.trainer import (
-    RunOptions,
     Trainer,
     TrainingInterrupted,
     TrainState,

@@ -8,6 +8,7 @@ needs this module and the model, never the trainer.
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import torch
@@ -72,3 +73,21 @@ def load_model(
     if checkpoint.get("tokenizer"):
         tokenizer = load_tokenizer(path.parent / checkpoint["tokenizer"])
     return model.eval(), tokenizer, checkpoint
+
+
+def rng_states() -> dict:
+    """Every random number generator's state, for ``last.pt``: resuming then draws the same
+    dropout masks and batch noise as an uninterrupted run."""
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng_states(states: dict) -> None:
+    """Put back what :func:`rng_states` saved."""
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])

@@ -1,4 +1,5 @@
-"""Chapter 10: named training recipes — a model configuration plus how to train it.
+"""Chapter 10: what to train and how — named recipes (:class:`TrainConfig`) and the options of
+one run of a recipe (:class:`RunOptions`).
 
 ``CONFIGS`` is the one registry of recipes: the trainer's CLI, the chapters and the benchmarks
 all read it.
@@ -8,10 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from transformer_tutorial.checks import check_int, check_number, check_optional_int
+from transformer_tutorial.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_optional_int,
+)
 from transformer_tutorial.data import PAD_ID
 from transformer_tutorial.model import TransformerConfig
 from transformer_tutorial.optim import paper_peak_lr
+from transformer_tutorial.precision import PRECISIONS
+from transformer_tutorial.runtime import check_device
 
 
 @dataclass(frozen=True)
@@ -142,3 +151,35 @@ CONFIGS = {
         warmup=4000,
     ),
 }
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run a recipe, as opposed to what it is (:class:`TrainConfig`).
+
+    Training stops after ``config.epochs`` epochs, ``max_steps`` optimizer steps in all, or
+    ``max_minutes`` of this call, whichever comes first. With ``resume`` it goes on from
+    ``out_dir/last.pt`` exactly as if it had never stopped. ``precision`` is one of
+    :data:`~transformer_tutorial.precision.PRECISIONS` (``"auto"``: bf16 or fp16 on a CUDA GPU,
+    fp32 elsewhere); ``compile`` runs the training step's forward and backward through
+    ``torch.compile``.
+    """
+
+    device: str = "cpu"
+    seed: int = 0
+    resume: bool = False
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    progress: bool = True
+    precision: str = "auto"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("seed", self.seed, at_least=0)
+        check_choice("precision", self.precision, PRECISIONS)
+        for name in ("resume", "progress", "compile"):
+            check_bool(name, getattr(self, name))
+        check_optional_int("max_steps", self.max_steps, at_least=1)
+        if self.max_minutes is not None:
+            check_number("max_minutes", self.max_minutes, low=0.0, low_open=True)
+        check_device(self.device)

@@ -24,7 +24,7 @@ import torch
 
 from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import load_model
-from transformer_tutorial.configs import CONFIGS, TrainConfig
+from transformer_tutorial.configs import CONFIGS, RunOptions, TrainConfig
 from transformer_tutorial.data import (
     cache_dir,
     encode_pairs,
@@ -36,7 +36,7 @@ from transformer_tutorial.data import (
 from transformer_tutorial.decode import bleu, translate_sentences
 from transformer_tutorial.precision import resolve_precision
 from transformer_tutorial.runtime import get_device
-from transformer_tutorial.trainer import RunOptions, fit
+from transformer_tutorial.trainer import fit
 
 # How many test sentences a record keeps with their translations, to read.
 RECORD_SAMPLES = 20

@@ -1,10 +1,15 @@
-"""Device choice and seeding: decided once, in a notebook or on the command line.
+"""Device choice, seeding and stop signals: decided once, in a notebook or on the command line.
 
 No module picks a device or seeds by itself."""
 
 from __future__ import annotations
 
 import random
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -58,3 +63,33 @@ def check_device(name: str | torch.device) -> torch.device:
     if device.type not in have or not index_ok:
         raise ValueError(f"device {str(name)!r} is not available here; this machine has {have}")
     return device
+
+
+@dataclass
+class StopRequest:
+    """What :func:`catch_stop_signals` caught: ``reason`` names the signal (``"SIGINT"``…)."""
+
+    reason: str = ""
+
+
+@contextmanager
+def catch_stop_signals(request: StopRequest) -> Iterator[StopRequest]:
+    """While inside, Ctrl-C and SIGTERM do not stop the program at once: they set
+    ``request.reason``, so that a loop can stop where its state is whole. A second Ctrl-C stops
+    at once (``KeyboardInterrupt``). Outside the main thread, where Python cannot set signal
+    handlers, nothing is caught."""
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+
+    def ask_to_stop(signum: int, frame: object) -> None:
+        if request.reason and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        request.reason = signal.Signals(signum).name
+
+    previous = {sig: signal.signal(sig, ask_to_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield request
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

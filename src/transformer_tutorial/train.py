@@ -25,12 +25,12 @@ import torch
 
 from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import CheckpointError, load_checkpoint
-from transformer_tutorial.configs import CONFIGS, TrainConfig
+from transformer_tutorial.configs import CONFIGS, RunOptions, TrainConfig
 from transformer_tutorial.data import DatasetUnavailableError
 from transformer_tutorial.precision import PRECISIONS
 from transformer_tutorial.runs import run_experiment
 from transformer_tutorial.runtime import get_device
-from transformer_tutorial.trainer import RunOptions, TrainingInterrupted
+from transformer_tutorial.trainer import TrainingInterrupted
 
 
 def build_parser() -> argparse.ArgumentParser:

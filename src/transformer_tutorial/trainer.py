@@ -16,12 +16,8 @@ loss is normalised over the global batch, and only rank 0 validates and writes f
 from __future__ import annotations
 
 import math
-import random
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,20 +27,18 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from transformer_tutorial import distributed
-from transformer_tutorial.checkpoint import load_checkpoint, save_atomic
-from transformer_tutorial.checks import (
-    check_bool,
-    check_choice,
-    check_int,
-    check_number,
-    check_optional_int,
+from transformer_tutorial.checkpoint import (
+    load_checkpoint,
+    restore_rng_states,
+    rng_states,
+    save_atomic,
 )
-from transformer_tutorial.configs import TrainConfig
+from transformer_tutorial.configs import RunOptions, TrainConfig
 from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.optim import make_optimizer, translation_loss
-from transformer_tutorial.precision import PRECISIONS, autocast, grad_scaler, resolve_precision
-from transformer_tutorial.runtime import check_device, set_seed
+from transformer_tutorial.precision import autocast, grad_scaler, resolve_precision
+from transformer_tutorial.runtime import StopRequest, catch_stop_signals, set_seed
 
 Pairs = Sequence[tuple[Sequence[int], Sequence[int]]]
 
@@ -115,21 +109,6 @@ def evaluate_loss(
     return total / max(count, 1)
 
 
-def _rng_states() -> dict:
-    return {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def _set_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
 class Trainer:
     """One training run of ``config`` on ``train_pairs``, checkpointed into ``out_dir``."""
 
@@ -141,18 +120,17 @@ class Trainer:
         *,
         vocab_size: int,
         out_dir: Path,
-        device: torch.device,
-        seed: int,
+        options: RunOptions,
         tokenizer_file: str | None,
-        precision: str = "auto",
-        compile: bool = False,
     ) -> None:
         self.config, self.train_pairs, self.val_pairs = config, train_pairs, val_pairs
-        self.out_dir, self.device, self.tokenizer_file = out_dir, device, tokenizer_file
-        self.seed, self.rank, self.world_size = seed, distributed.rank(), distributed.world_size()
-        set_seed(seed)
+        self.out_dir, self.tokenizer_file = out_dir, tokenizer_file
+        self.device = device = torch.device(options.device)
+        self.seed, self.rank = options.seed, distributed.rank()
+        self.world_size = distributed.world_size()
+        set_seed(self.seed)
         self.model = Transformer(config.model_config(vocab_size)).to(device)
-        self.precision = resolve_precision(precision, device)
+        self.precision = resolve_precision(options.precision, device)
         self.scaler = grad_scaler(self.precision, device)
         self.optimizer, self.schedule = make_optimizer(
             self.model, lr=config.lr, warmup=config.warmup
@@ -164,14 +142,14 @@ class Trainer:
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None
             self.train_model = DistributedDataParallel(self.model, device_ids=ids)
-            torch.manual_seed(seed + self.rank)  # same initial weights, own dropout masks
-        if compile:
+            torch.manual_seed(self.seed + self.rank)  # same initial weights, own dropout masks
+        if options.compile:
             self.train_model = torch.compile(self.train_model)
-        self.batch_order = torch.Generator().manual_seed(seed)
+        self.batch_order = torch.Generator().manual_seed(self.seed)
         self.state = TrainState(epoch_start=self.batch_order.get_state())
         self.lengths = pair_lengths(train_pairs)
         self.started, self.seconds_before = time.monotonic(), 0.0
-        self.stop_signal = ""  # set by Ctrl-C or SIGTERM: stop after the current step
+        self.stop_request = StopRequest()  # Ctrl-C or SIGTERM: stop after the current step
 
     def resume(self) -> None:
         """Continue from ``out_dir/last.pt`` exactly where it stopped."""
@@ -184,9 +162,9 @@ class Trainer:
         self.state = TrainState(**saved["state"])
         rank_rng = saved.get("rank_rng", [])
         if len(rank_rng) == self.world_size:
-            _set_rng_states(rank_rng[self.rank])
+            restore_rng_states(rank_rng[self.rank])
         else:  # saved by a single process or another number of ranks
-            _set_rng_states(saved["rng"])
+            restore_rng_states(saved["rng"])
             if self.rank:
                 torch.manual_seed(self.seed + self.rank + self.state.step)
         self.seconds_before = self.state.train_seconds
@@ -194,6 +172,16 @@ class Trainer:
     def elapsed(self) -> float:
         """Seconds of training in this run, earlier sessions of a resumed run included."""
         return self.seconds_before + time.monotonic() - self.started
+
+    def _entry(self, **values: float) -> dict:
+        """A line of the history: where training stands, then ``values``."""
+        state = self.state
+        return {
+            "step": state.step,
+            "epoch": state.epoch + 1,
+            **values,
+            "elapsed_s": round(self.elapsed(), 1),
+        }
 
     def _checkpoint(self) -> dict:
         return {
@@ -209,7 +197,7 @@ class Trainer:
         """Write ``last.pt``: everything needed to resume. Every rank calls it (each sends its
         random number generators' states); rank 0 writes."""
         self.state.train_seconds = self.elapsed()
-        rank_rng = distributed.all_gather_object(_rng_states())
+        rank_rng = distributed.all_gather_object(rng_states())
         if self.rank:
             return
         extra = {"rank_rng": rank_rng} if self.world_size > 1 else {}
@@ -241,14 +229,7 @@ class Trainer:
             device=self.device,
             precision=self.precision,
         )
-        state.history["val"].append(
-            {
-                "step": state.step,
-                "epoch": state.epoch + 1,
-                "val_loss": val_loss,
-                "elapsed_s": round(self.elapsed(), 1),
-            }
-        )
+        state.history["val"].append(self._entry(val_loss=val_loss))
         if val_loss < state.best_val_loss:
             state.best_val_loss = val_loss
             save_atomic({**self._checkpoint(), "val_loss": val_loss}, self.out_dir / "best.pt")
@@ -288,15 +269,8 @@ class Trainer:
         config, state = self.config, self.state
         if state.step % config.log_every == 0:
             train_loss = state.window_loss / state.window_tokens
-            state.history["train"].append(
-                {
-                    "step": state.step,
-                    "epoch": state.epoch + 1,
-                    "train_loss": train_loss,
-                    "lr": self.schedule.get_last_lr()[0],
-                    "elapsed_s": round(self.elapsed(), 1),
-                }
-            )
+            lr = self.schedule.get_last_lr()[0]
+            state.history["train"].append(self._entry(train_loss=train_loss, lr=lr))
             state.window_loss, state.window_tokens = 0.0, 0
             bar.set_postfix(loss=f"{train_loss:.3f}")
         if config.eval_every and state.step % config.eval_every == 0:
@@ -308,15 +282,7 @@ class Trainer:
         state = self.state
         epoch_loss = state.epoch_loss / max(state.epoch_tokens, 1)
         val_loss = self.validate()
-        state.history["epochs"].append(
-            {
-                "epoch": state.epoch + 1,
-                "step": state.step,
-                "train_loss": epoch_loss,
-                "val_loss": val_loss,
-                "elapsed_s": round(self.elapsed(), 1),
-            }
-        )
+        state.history["epochs"].append(self._entry(train_loss=epoch_loss, val_loss=val_loss))
         if progress:
             tqdm.write(
                 f"epoch {state.epoch + 1}: step {state.step}, train loss "
@@ -325,28 +291,6 @@ class Trainer:
         state.epoch, state.batch_in_epoch = state.epoch + 1, 0
         state.epoch_start = self.batch_order.get_state()
         state.epoch_loss, state.epoch_tokens = 0.0, 0
-
-    @contextmanager
-    def _stop_on_signals(self) -> Iterator[None]:
-        """While training, Ctrl-C and SIGTERM ask for a stop after the current step, so that
-        ``last.pt`` always holds a whole step; a second Ctrl-C stops at once."""
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be set from the main thread
-            return
-
-        def ask_to_stop(signum: int, frame: object) -> None:
-            if self.stop_signal and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self.stop_signal = signal.Signals(signum).name
-
-        previous = {
-            sig: signal.signal(sig, ask_to_stop) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     def run_epoch(self, should_stop: Callable[[], str], progress: bool) -> str:
         """Train the rest of the current epoch, or until ``should_stop()`` names a reason;
@@ -389,7 +333,7 @@ class Trainer:
         deadline = math.inf if max_minutes is None else self.started + 60 * max_minutes
 
         def should_stop() -> str:
-            if self.stop_signal:
+            if self.stop_request.reason:
                 reason = "interrupted"
             elif max_steps is not None and state.step >= max_steps:
                 reason = "max_steps"
@@ -400,7 +344,7 @@ class Trainer:
         self.model.train()
         progress = progress and self.rank == 0
         stopped_by = should_stop() if max_steps is not None else ""
-        with self._stop_on_signals():
+        with catch_stop_signals(self.stop_request):
             while not stopped_by and state.epoch < self.config.epochs:
                 stopped_by = self.run_epoch(should_stop, progress)
                 if not stopped_by:
@@ -413,38 +357,6 @@ class Trainer:
         self.save_last()
         state.stopped_by = stopped_by or "epochs"
         return state
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How to run a recipe, as opposed to what it is (:class:`TrainConfig`).
-
-    Training stops after ``config.epochs`` epochs, ``max_steps`` optimizer steps in all, or
-    ``max_minutes`` of this call, whichever comes first. With ``resume`` it goes on from
-    ``out_dir/last.pt`` exactly as if it had never stopped. ``precision`` is one of
-    :data:`~transformer_tutorial.precision.PRECISIONS` (``"auto"``: bf16 or fp16 on a CUDA GPU,
-    fp32 elsewhere); ``compile`` runs the training step's forward and backward through
-    ``torch.compile``.
-    """
-
-    device: str = "cpu"
-    seed: int = 0
-    resume: bool = False
-    max_steps: int | None = None
-    max_minutes: float | None = None
-    progress: bool = True
-    precision: str = "auto"
-    compile: bool = False
-
-    def __post_init__(self) -> None:
-        check_int("seed", self.seed, at_least=0)
-        check_choice("precision", self.precision, PRECISIONS)
-        for name in ("resume", "progress", "compile"):
-            check_bool(name, getattr(self, name))
-        check_optional_int("max_steps", self.max_steps, at_least=1)
-        if self.max_minutes is not None:
-            check_number("max_minutes", self.max_minutes, low=0.0, low_open=True)
-        check_device(self.device)
 
 
 def fit(
@@ -471,11 +383,8 @@ def fit(
         val_pairs,
         vocab_size=vocab_size,
         out_dir=out_dir,
-        device=torch.device(options.device),
-        seed=options.seed,
+        options=options,
         tokenizer_file=tokenizer_file,
-        precision=options.precision,
-        compile=options.compile,
     )
     if options.resume:
         trainer.resume()
