@@ -102,11 +102,12 @@ class MultiHeadAttention(nn.Module):
         query ``(B, L, D)``, key and value ``(B, S, D)`` → output ``(B, L, D)`` and, with
         ``need_weights=True``, per-head weights ``(B, H, L, S)``.
 
-    ``forward`` = ``project_kv`` + ``attend``; decoding calls the two halves separately so that
-    keys and values computed once can be kept in a :class:`KVCache`. In self-attention
-    (``query is key is value``, as ``nn.MultiheadAttention`` tests it) ``forward`` computes the
-    three projections as one matrix product instead (:meth:`project_qkv`), and when
-    ``key is value`` the two of keys and values: the same numbers, fewer and larger GEMMs.
+    ``forward`` = project (``q_proj`` and :meth:`project_kv`) + :meth:`attend_heads`; decoding
+    calls :meth:`project_kv` and :meth:`attend` separately so that keys and values computed once
+    can be kept in a :class:`KVCache`. In self-attention (``query is key is value``, as
+    ``nn.MultiheadAttention`` tests it) ``forward`` computes the three projections as one matrix
+    product instead (:meth:`project_qkv`), and when ``key is value`` the two of keys and values:
+    the same numbers, fewer and larger GEMMs.
     """
 
     def __init__(
