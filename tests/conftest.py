@@ -229,3 +229,19 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
         tokenizer_file="tokenizer.json",
     )
     return folder / "best.pt"
+
+
+@pytest.fixture
+def padded_vectors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Source ``(3, 7, 16)`` and target ``(3, 6, 16)`` vectors and their padding masks: source
+    lengths 7, 5, 3; target lengths 4, 6, 6."""
+    B, S, T, D = 3, 7, 6, 16
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(B, S, D, generator=g)
+    tgt = torch.randn(B, T, D, generator=g)
+    src_pad = torch.zeros(B, S, dtype=torch.bool)
+    src_pad[1, 5:] = True
+    src_pad[2, 3:] = True
+    tgt_pad = torch.zeros(B, T, dtype=torch.bool)
+    tgt_pad[0, 4:] = True
+    return src, tgt, src_pad, tgt_pad

@@ -28,17 +28,8 @@ ATOL = 1e-5
 
 
 @pytest.fixture
-def vectors():
-    """Source and target vectors with padding: source lengths 7, 5, 3; target lengths 4, 6, 6."""
-    g = torch.Generator().manual_seed(0)
-    src = torch.randn(B, S, D, generator=g)
-    tgt = torch.randn(B, T, D, generator=g)
-    src_pad = torch.zeros(B, S, dtype=torch.bool)
-    src_pad[1, 5:] = True
-    src_pad[2, 3:] = True
-    tgt_pad = torch.zeros(B, T, dtype=torch.bool)
-    tgt_pad[0, 4:] = True
-    return src, tgt, src_pad, tgt_pad
+def vectors(padded_vectors):
+    return padded_vectors
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,11 +102,9 @@ def test_tiny_run_end_to_end_resumes_records_and_translates(multi30k_dir, tmp_pa
     assert len(capsys.readouterr().out.splitlines()) == 2
 
 
-@pytest.mark.slow
-@pytest.mark.corpus
-def test_ctrl_c_saves_prints_how_to_resume_and_resume_works(multi30k_dir, tmp_path):
-    out = tmp_path / "run"
-    command = [
+def train_command(out: Path, *args: str) -> list[str]:
+    """The command line a user types to train the tiny recipe into ``out``."""
+    return [
         sys.executable,
         "-m",
         "transformer_tutorial.train",
@@ -113,12 +112,15 @@ def test_ctrl_c_saves_prints_how_to_resume_and_resume_works(multi30k_dir, tmp_pa
         "tiny",
         "--out",
         str(out),
-        "--epochs",
-        "50",
-        "--no-progress",
-        "--threads",
-        "1",
+        *args,
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.corpus
+def test_ctrl_c_saves_prints_how_to_resume_and_resume_works(multi30k_dir, tmp_path):
+    out = tmp_path / "run"
+    command = train_command(out, "--epochs", "50", "--no-progress", "--threads", "1")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (out / "last.pt").exists() and time.monotonic() < deadline:
@@ -129,19 +131,7 @@ def test_ctrl_c_saves_prints_how_to_resume_and_resume_works(multi30k_dir, tmp_pa
     assert "interrupted after step" in err and f"--out {out} --resume" in err
     step = torch.load(out / "last.pt", weights_only=True)["step"]
     assert f"after step {step}:" in err
-    resume = [
-        sys.executable,
-        "-m",
-        "transformer_tutorial.train",
-        "--config",
-        "tiny",
-        "--out",
-        str(out),
-        "--resume",
-        "--max-steps",
-        str(step + 2),
-        "--no-progress",
-    ]
+    resume = train_command(out, "--resume", "--max-steps", str(step + 2), "--no-progress")
     done = subprocess.run(resume, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"{step + 2} steps" in done.stdout
@@ -185,17 +175,7 @@ def test_a_file_as_out_and_a_corrupt_last_checkpoint_are_refused(tmp_path, capsy
 @pytest.mark.slow  # a fresh interpreter importing torch: ~5 s
 def test_errors_show_no_traceback_in_a_real_process(tmp_path):
     """The in-process tests above see main()'s return value; this one sees what a user sees."""
-    command = [
-        sys.executable,
-        "-m",
-        "transformer_tutorial.train",
-        "--config",
-        "tiny",
-        "--out",
-        str(tmp_path / "run"),
-        "--beam",
-        "0",
-    ]
+    command = train_command(tmp_path / "run", "--beam", "0")
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip() == "error: --beam must be at least 1, got 0"
