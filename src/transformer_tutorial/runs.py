@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import load_model
@@ -34,6 +35,7 @@ from transformer_tutorial.data import (
     train_tokenizer,
 )
 from transformer_tutorial.decode import bleu, translate_sentences
+from transformer_tutorial.model import Transformer
 from transformer_tutorial.precision import resolve_precision
 from transformer_tutorial.runtime import get_device
 from transformer_tutorial.trainer import fit
@@ -130,6 +132,53 @@ def _hardware(device: torch.device, options: RunOptions) -> dict:
     return info
 
 
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _prepare_data(
+    config: TrainConfig, out_dir: Path, resume: bool
+) -> tuple[Tokenizer, list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]:
+    """The tokenizer (learned on the training split, or the run's own when resuming) and the
+    encoded training pairs that fit ``max_len`` and validation pairs. Under ``torchrun`` rank 0
+    learns the tokenizer and the other ranks read it."""
+    train_src, train_tgt = (side[: config.train_size] for side in load_split("train"))
+    val_src, val_tgt = load_split("val")
+    tokenizer_path = out_dir / TOKENIZER_FILE
+    if not resume and distributed.is_main():
+        save_tokenizer(train_tokenizer(train_src + train_tgt, config.vocab_size), tokenizer_path)
+    distributed.barrier()  # the other ranks read the tokenizer rank 0 wrote
+    tokenizer = load_tokenizer(tokenizer_path)
+    max_len = config.model.max_len
+    fits = [
+        (s, t)
+        for s, t in encode_pairs(tokenizer, train_src, train_tgt)
+        if len(s) <= max_len and len(t) + 1 <= max_len
+    ]
+    return tokenizer, fits, encode_pairs(tokenizer, val_src, val_tgt)
+
+
+def _score(
+    model: Transformer, tokenizer: Tokenizer, config: TrainConfig, src: list[str], refs: list[str]
+) -> tuple[dict, list[dict]]:
+    """BLEU of greedy and beam search on ``src``, and the first :data:`RECORD_SAMPLES`
+    translations beside their references."""
+    start = time.monotonic()
+    greedy = translate_sentences(model, tokenizer, src)
+    beam = translate_sentences(
+        model, tokenizer, src, beam_size=config.beam_size, alpha=config.alpha
+    )
+    beam_name = f"beam{config.beam_size}"
+    scores = {
+        "sentences": len(src),
+        "greedy": asdict(bleu(greedy, refs)),
+        beam_name: asdict(bleu(beam, refs)),
+        "eval_time_s": round(time.monotonic() - start, 1),
+    }
+    rows = list(zip(src, refs, greedy, beam, strict=True))[:RECORD_SAMPLES]
+    samples = [{"source": s, "reference": r, "greedy": g, beam_name: b} for s, r, g, b in rows]
+    return scores, samples
+
+
 def run_experiment(
     config: TrainConfig,
     *,
@@ -147,39 +196,22 @@ def run_experiment(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(options.device)
-    train_src, train_tgt = (side[: config.train_size] for side in load_split("train"))
-    val_src, val_tgt = load_split("val")
+    tokenizer, fits, val_pairs = _prepare_data(config, out_dir, options.resume)
     test_src, test_tgt = (side[: config.eval_size] for side in load_split("test"))
-    tokenizer_path = out_dir / "tokenizer.json"
-    if not options.resume and distributed.is_main():
-        save_tokenizer(train_tokenizer(train_src + train_tgt, config.vocab_size), tokenizer_path)
-    distributed.barrier()  # the other ranks read the tokenizer rank 0 wrote
-    tokenizer = load_tokenizer(tokenizer_path)
-    max_len = config.model.max_len
-    fits = [
-        (s, t)
-        for s, t in encode_pairs(tokenizer, train_src, train_tgt)
-        if len(s) <= max_len and len(t) + 1 <= max_len
-    ]
     model, state = fit(
         config,
         fits,
-        encode_pairs(tokenizer, val_src, val_tgt),
+        val_pairs,
         vocab_size=tokenizer.get_vocab_size(),
         out_dir=out_dir,
         options=options,
-        tokenizer_file=tokenizer_path.name,
+        tokenizer_file=TOKENIZER_FILE,
     )
     if not distributed.is_main():
         return None
 
     best, _, best_checkpoint = load_model(out_dir / "best.pt", device)
-    eval_start = time.monotonic()
-    greedy = translate_sentences(best, tokenizer, test_src)
-    beam = translate_sentences(
-        best, tokenizer, test_src, beam_size=config.beam_size, alpha=config.alpha
-    )
-    beam_name = f"beam{config.beam_size}"
+    test2016, samples = _score(best, tokenizer, config, test_src, test_tgt)
     record = RunRecord(
         command=list(command),
         config=asdict(config),
@@ -198,18 +230,8 @@ def run_experiment(
         train_time_s=round(state.train_seconds, 1),
         best={"step": best_checkpoint["step"], "val_loss": best_checkpoint["val_loss"]},
         history=state.history,
-        test2016={
-            "sentences": len(test_src),
-            "greedy": asdict(bleu(greedy, test_tgt)),
-            beam_name: asdict(bleu(beam, test_tgt)),
-            "eval_time_s": round(time.monotonic() - eval_start, 1),
-        },
-        samples=[
-            {"source": s, "reference": r, "greedy": g, beam_name: b}
-            for s, r, g, b in list(zip(test_src, test_tgt, greedy, beam, strict=True))[
-                :RECORD_SAMPLES
-            ]
-        ],
+        test2016=test2016,
+        samples=samples,
         wall_time_s=round(time.monotonic() - wall_start, 1),
     )
     record.save(out_dir / "record.json")
@@ -234,7 +256,7 @@ def find_checkpoint() -> Path | None:
     """
     for name in RUN_PREFERENCE:
         folder = runs_dir() / name
-        if all((folder / f).is_file() for f in ("best.pt", "tokenizer.json", "record.json")):
+        if all((folder / f).is_file() for f in ("best.pt", TOKENIZER_FILE, "record.json")):
             return folder / "best.pt"
     return None
 
