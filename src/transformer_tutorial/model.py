@@ -352,8 +352,9 @@ class Transformer(nn.Module):
         # graph at every call).
         if torch.compiler.is_compiling() or not ids.numel():
             return
-        if not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+        low, high = torch.stack(torch.aminmax(ids)).tolist()  # one read back from the device
+        if not 0 <= low <= high < vocab_size:
             raise ValueError(
-                f"{name} holds ids from {int(ids.min())} to {int(ids.max())}; valid ids are "
+                f"{name} holds ids from {low} to {high}; valid ids are "
                 f"0 to {vocab_size - 1} (the vocabulary has {vocab_size} tokens)"
             )
