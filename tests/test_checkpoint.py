@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from conftest import raises
-from transformer_tutorial.checkpoint import CheckpointError, load_model, save_atomic
+from transformer_tutorial.checkpoint import (
+    CheckpointError,
+    average_checkpoints,
+    load_model,
+    save_atomic,
+)
 
 
 def test_save_atomic_replaces_the_file_whole_and_leaves_no_part(tmp_path):
@@ -36,6 +41,31 @@ def test_a_crash_while_saving_keeps_the_old_checkpoint(tmp_path, monkeypatch):
         save_atomic({"step": 2}, path)
     monkeypatch.undo()
     assert torch.load(path, weights_only=True) == {"step": 1}
+
+
+def test_averaged_weights_are_the_mean_of_the_checkpoints_and_the_rest_is_the_last(
+    tiny_model, tmp_path
+):
+    models = [tiny_model(seed) for seed in range(3)]
+    paths = []
+    for step, model in enumerate(models, start=1):
+        paths.append(tmp_path / f"step-{step}.pt")
+        extra = {"count": torch.tensor(step)}  # an integer tensor is not averaged
+        checkpoint = {"model": {**model.state_dict(), **extra}, "model_config": {}, "step": step}
+        save_atomic(checkpoint, paths[-1])
+    averaged = average_checkpoints(paths)
+    assert averaged["step"] == 3  # the rest of the checkpoint is the last one's
+    weights = averaged["model"]
+    assert torch.equal(weights["count"], torch.tensor(3))
+    for name, tensor in models[0].state_dict().items():
+        expected = sum(m.state_dict()[name].double() for m in models) / 3
+        torch.testing.assert_close(weights[name], expected.float(), rtol=0, atol=1e-7)
+        assert weights[name].dtype == tensor.dtype
+    name = next(n for n, t in models[0].state_dict().items() if t.dim() == 2)
+    assert not torch.equal(weights[name], models[-1].state_dict()[name])  # differs from the last
+    raises(lambda: average_checkpoints([]), ValueError, "needs at least one checkpoint")
+    save_atomic({"model": tiny_model(d_ff=16).state_dict(), "model_config": {}}, paths[0])
+    raises(lambda: average_checkpoints(paths), CheckpointError, "differ in name or shape")
 
 
 def test_load_model_gives_the_trained_model_in_eval_mode_with_its_tokenizer(tiny_checkpoint):

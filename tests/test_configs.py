@@ -77,6 +77,12 @@ TRAIN_CONFIG_ROWS = [
     ({"eval_every": -1}, ValueError, "eval_every must be at least 0"),
     ({"eval_size": 0}, ValueError, "eval_size must be at least 1"),
     ({"alpha": -0.5}, ValueError, "alpha must be at least 0.0"),
+    ({"average_last": 0}, ValueError, "average_last must be at least 1, got 0"),
+    (
+        {"average_last": 3, "checkpoint_every": 0},
+        ValueError,
+        "average_last=3 averages checkpoints, so checkpoint_every must be at least 1",
+    ),
     ({"model": {"d_model": 8}}, TypeError, "model must be a TransformerConfig, got dict"),
 ]
 

@@ -71,6 +71,7 @@ def test_refuses_to_overwrite_a_run_or_to_resume_another_recipe(tiny_checkpoint,
 def test_tiny_run_end_to_end_resumes_records_and_translates(multi30k_dir, tmp_path, capsys):
     out = tmp_path / "tiny"
     common = ["--config", "tiny", "--out", str(out), "--eval-size", "5", "--no-progress"]
+    common += ["--average-last", "2"]  # score the mean of the last 2 checkpoints' weights
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     first = subprocess.run(
         [sys.executable, "-m", "transformer_tutorial.train", *common, "--max-steps", "3"],
@@ -81,17 +82,17 @@ def test_tiny_run_end_to_end_resumes_records_and_translates(multi30k_dir, tmp_pa
     )
     assert first.returncode == 0, first.stderr
     assert "test2016 greedy: BLEU" in first.stdout
-    assert train_cli.main([*common, "--max-steps", "5", "--resume"]) == 0  # in-process: faster
+    assert "scored averaged.pt, the mean of the last 1 checkpoint;" in first.stdout
+    again = [*common, "--max-steps", "5", "--resume"]
+    assert train_cli.main(again) == 0  # in-process: faster
     record = json.loads((out / "record.json").read_text())
     assert record["steps"] == 5 and record["stopped_by"] == "max_steps"
-    assert record["command"][1:] == [
-        "-m",
-        "transformer_tutorial.train",
-        *common,
-        "--max-steps",
-        "5",
-        "--resume",
-    ]
+    assert record["command"][1:] == ["-m", "transformer_tutorial.train", *again]
+    # The resumed run scored the mean of its last two checkpoints (steps 3 and 5), and best.pt
+    assert record["weights"] == "averaged.pt" and record["averaged"]["steps"] == [3, 5]
+    assert set(record["averaged"]["best_test2016"]) >= {"greedy", "beam2"}
+    assert torch.load(out / "averaged.pt", weights_only=True)["averaged_steps"] == [3, 5]
+    assert "scored averaged.pt, the mean of the last 2 checkpoints" in capsys.readouterr().out
     greedy = record["test2016"]["greedy"]
     assert {"score", "lowercase", "signature"} <= set(greedy) and "beam2" in record["test2016"]
     assert record["history"]["train"] and record["history"]["val"] and len(record["samples"]) == 5

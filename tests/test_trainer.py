@@ -94,6 +94,25 @@ def test_checkpoints_history_time_budget_and_epochs(pairs, tmp_path):
     assert history["epochs"][-1]["train_loss"] < history["epochs"][0]["train_loss"]
 
 
+def test_the_last_checkpoints_weights_are_kept_for_averaging(pairs, tmp_path):
+    train_pairs, val_pairs = pairs
+    options = RunOptions(seed=SEED, progress=False, max_steps=10)
+    fit(
+        CONFIG, train_pairs, val_pairs, vocab_size=VOCAB, out_dir=tmp_path / "one", options=options
+    )
+    assert not (tmp_path / "one" / trainer.SNAPSHOT_DIR).exists()  # average_last=1: none kept
+    config = replace(CONFIG, average_last=2)  # checkpoints every 4 steps, and the last one
+    model, _ = fit(
+        config, train_pairs, val_pairs, vocab_size=VOCAB, out_dir=tmp_path, options=options
+    )
+    paths = trainer.snapshot_paths(tmp_path)
+    assert [p.name for p in paths] == ["step-0000008.pt", "step-0000010.pt"]
+    last = torch.load(paths[-1], weights_only=True)
+    assert last["step"] == 10 and "optimizer" not in last  # weights only, not resumable
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(last["model"][name], tensor), name
+
+
 def test_training_time_is_counted_once(pairs, tmp_path, monkeypatch):
     """With a clock that ticks one second per reading, the recorded training time cannot exceed
     the number of readings (counting the time before a checkpoint twice would)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -73,6 +74,30 @@ def load_model(
     if checkpoint.get("tokenizer"):
         tokenizer = load_tokenizer(path.parent / checkpoint["tokenizer"])
     return model.eval(), tokenizer, checkpoint
+
+
+def average_checkpoints(paths: Sequence[Path | str]) -> dict:
+    """The checkpoint at ``paths[-1]`` with its weights replaced by the mean of the weights of
+    all ``paths`` (the paper scores its base models so, section 6.1). Integer tensors, which are
+    not weights, are taken from the last checkpoint."""
+    if not paths:
+        raise ValueError("average_checkpoints needs at least one checkpoint, got none")
+    checkpoints = [load_checkpoint(path) for path in paths]
+    last = checkpoints[-1]
+    averaged = {}
+    for name, tensor in last["model"].items():
+        if not tensor.is_floating_point():
+            averaged[name] = tensor
+            continue
+        try:
+            stacked = torch.stack([c["model"][name].double() for c in checkpoints])
+        except (KeyError, RuntimeError):
+            raise CheckpointError(
+                f"cannot average {', '.join(str(p) for p in paths)}: their weights differ in "
+                f"name or shape ({name})"
+            ) from None
+        averaged[name] = stacked.mean(dim=0).to(tensor.dtype)
+    return {**last, "model": averaged}
 
 
 def rng_states() -> dict:

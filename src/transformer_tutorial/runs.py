@@ -1,8 +1,9 @@
 """Chapter 10: whole runs — train, score with BLEU, record what was run where; the runs cache.
 
 :func:`run_experiment` is what ``python -m transformer_tutorial.train`` does: data, tokenizer,
-:func:`~transformer_tutorial.trainer.fit`, then BLEU on test2016 with the best weights, all kept
-in a :class:`RunRecord` (``record.json``). The chapters keep their runs in the cache,
+:func:`~transformer_tutorial.trainer.fit`, then BLEU on test2016 with the best weights (or the
+mean of the last checkpoints' weights, ``averaged.pt``), all kept in a :class:`RunRecord`
+(``record.json``). The chapters keep their runs in the cache,
 ``runs_dir() / name``, and find them with :func:`find_checkpoint`.
 """
 
@@ -24,7 +25,7 @@ import torch
 from tokenizers import Tokenizer
 
 from transformer_tutorial import distributed
-from transformer_tutorial.checkpoint import load_model
+from transformer_tutorial.checkpoint import average_checkpoints, load_model, save_atomic
 from transformer_tutorial.configs import CONFIGS, RunOptions, TrainConfig
 from transformer_tutorial.data import (
     cache_dir,
@@ -35,10 +36,10 @@ from transformer_tutorial.data import (
     train_tokenizer,
 )
 from transformer_tutorial.decode import bleu, translate_sentences
-from transformer_tutorial.model import Transformer
+from transformer_tutorial.model import Transformer, TransformerConfig
 from transformer_tutorial.precision import resolve_precision
 from transformer_tutorial.runtime import get_device
-from transformer_tutorial.trainer import fit
+from transformer_tutorial.trainer import evaluate_loss, fit, snapshot_paths
 
 # How many test sentences a record keeps with their translations, to read.
 RECORD_SAMPLES = 20
@@ -70,6 +71,8 @@ class RunRecord:
     test2016: dict
     samples: list[dict]
     wall_time_s: float
+    weights: str = "best.pt"
+    averaged: dict | None = None
 
     @property
     def beam_name(self) -> str:
@@ -82,8 +85,8 @@ class RunRecord:
 
     @classmethod
     def from_json(cls, text: str) -> RunRecord:
-        data = json.loads(text)
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        data = json.loads(text)  # fields with defaults came later: older records lack them
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
     def save(self, path: Path | str) -> None:
         text = json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n"
@@ -179,6 +182,31 @@ def _score(
     return scores, samples
 
 
+def _average_snapshots(
+    config: TrainConfig, out_dir: Path, val_pairs: list, device: torch.device, precision: str
+) -> tuple[Transformer, dict]:
+    """Write ``averaged.pt``: the mean of the weights in ``snapshots/``, with its validation
+    loss; returns that model and what the record says of it."""
+    paths = snapshot_paths(out_dir)
+    checkpoint = average_checkpoints(paths)
+    model = Transformer(TransformerConfig(**checkpoint["model_config"])).to(device)
+    model.load_state_dict(checkpoint["model"])
+    val_loss = evaluate_loss(
+        model,
+        val_pairs,
+        max_tokens=config.max_tokens,
+        label_smoothing=config.label_smoothing,
+        device=device,
+        precision=precision,
+    )
+    steps = [int(path.stem.removeprefix("step-")) for path in paths]
+    save_atomic({**checkpoint, "val_loss": val_loss, "averaged_steps": steps}, out_dir / AVERAGED)
+    return model.eval(), {"steps": steps, "val_loss": val_loss}
+
+
+AVERAGED = "averaged.pt"
+
+
 def run_experiment(
     config: TrainConfig,
     *,
@@ -186,8 +214,10 @@ def run_experiment(
     options: RunOptions = RunOptions(),
     command: Sequence[str] = (),
 ) -> RunRecord | None:
-    """The whole experiment: data, tokenizer, :func:`fit`, then BLEU on test2016 with the best
-    weights (greedy and beam search), written to ``out_dir/record.json`` and returned.
+    """The whole experiment: data, tokenizer, :func:`fit`, then BLEU on test2016 (greedy and beam
+    search) with the best weights, or with ``config.average_last`` above 1 the averaged weights
+    (``averaged.pt``; the best weights are scored too, to compare), written to
+    ``out_dir/record.json`` and returned.
 
     Under ``torchrun`` every rank trains; rank 0 alone learns the tokenizer, scores and writes
     the record, and the other ranks return None once training ends."""
@@ -211,7 +241,14 @@ def run_experiment(
         return None
 
     best, _, best_checkpoint = load_model(out_dir / "best.pt", device)
-    test2016, samples = _score(best, tokenizer, config, test_src, test_tgt)
+    weights, scored, averaged = "best.pt", best, None
+    if config.average_last > 1:
+        precision = resolve_precision(options.precision, device)
+        scored, averaged = _average_snapshots(config, out_dir, val_pairs, device, precision)
+        weights = AVERAGED
+        # What averaging gained: the best checkpoint alone, scored the same way
+        averaged["best_test2016"], _ = _score(best, tokenizer, config, test_src, test_tgt)
+    test2016, samples = _score(scored, tokenizer, config, test_src, test_tgt)
     record = RunRecord(
         command=list(command),
         config=asdict(config),
@@ -233,6 +270,8 @@ def run_experiment(
         test2016=test2016,
         samples=samples,
         wall_time_s=round(time.monotonic() - wall_start, 1),
+        weights=weights,
+        averaged=averaged,
     )
     record.save(out_dir / "record.json")
     return record
@@ -248,7 +287,8 @@ def runs_dir() -> Path:
 
 
 def find_checkpoint() -> Path | None:
-    """``best.pt`` of the best finished run in :func:`runs_dir`, or None.
+    """The scored weights (``averaged.pt`` or ``best.pt``) of the best finished run in
+    :func:`runs_dir`, or None.
 
     Runs are preferred in the order of :data:`RUN_PREFERENCE`: ``base`` (the paper's model, on a
     GPU), ``small`` (the reference recipe), ``chapter10`` (chapter 10's quick CPU run). A run is
@@ -257,7 +297,8 @@ def find_checkpoint() -> Path | None:
     for name in RUN_PREFERENCE:
         folder = runs_dir() / name
         if all((folder / f).is_file() for f in ("best.pt", TOKENIZER_FILE, "record.json")):
-            return folder / "best.pt"
+            averaged = folder / AVERAGED
+            return averaged if averaged.is_file() else folder / "best.pt"
     return None
 
 
@@ -341,6 +382,7 @@ def describe_run(record: RunRecord) -> str:
             f"{record.train_time_s / 60:.1f} min of training (stopped by {record.stopped_by})",
         ),
         ("best", f"validation loss {record.best['val_loss']:.3f} at step {record.best['step']:,}"),
+        ("scored", _scored_weights(record)),
         ("wall time", f"{record.wall_time_s / 60:.1f} min in all, data and evaluation included"),
     ]
     scores = record.test2016
@@ -355,6 +397,18 @@ def describe_run(record: RunRecord) -> str:
         )
     lines.append(("signature", scores["greedy"]["signature"]))
     return "\n".join(f"{key:<12} {value}" for key, value in lines)
+
+
+def _scored_weights(record: RunRecord) -> str:
+    """Which weights the BLEU lines below score, in words."""
+    if not record.averaged:
+        return f"{record.weights}, the best validation loss"
+    steps, before = record.averaged["steps"], record.averaged["best_test2016"]
+    return (
+        f"{record.weights}, the mean of the weights at steps {', '.join(f'{s:,}' for s in steps)}:"
+        f" validation loss {record.averaged['val_loss']:.3f}; best.pt alone: "
+        f"{record.beam_name} BLEU {before[record.beam_name]['score']:.2f}"
+    )
 
 
 def load_reference_record() -> RunRecord:

@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="beam size for the BLEU evaluation; default: the config's",
     )
     parser.add_argument(
+        "--average-last",
+        type=int,
+        default=None,
+        help="score the mean of the weights of the last N checkpoints (1: best.pt); "
+        "default: the config's (5 for small)",
+    )
+    parser.add_argument(
         "--no-progress", action="store_true", help="no progress bars (logs and CI)"
     )
     return parser
@@ -132,8 +139,14 @@ class UsageError(Exception):
 def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions, Path]:
     """Check every argument and the output folder before anything runs, so that no hour of
     training ends in a bad ``--beam``."""
-    overrides = {"epochs": args.epochs, "eval_size": args.eval_size, "beam_size": args.beam}
+    overrides = {
+        "epochs": args.epochs,
+        "eval_size": args.eval_size,
+        "beam_size": args.beam,
+        "average_last": args.average_last,
+    }
     flags = {
+        "average_last": "--average-last",
         "epochs": "--epochs",
         "eval_size": "--eval-size",
         "beam_size": "--beam",
@@ -229,6 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"test2016 {name}: BLEU {scores[name]['score']:.2f}, "
             f"lowercased {scores[name]['lowercase']:.2f}"
+        )
+    if record.averaged:
+        before = record.averaged["best_test2016"][record.beam_name]["score"]
+        n = len(record.averaged["steps"])
+        print(
+            f"scored {record.weights}, the mean of the last {n} checkpoint{'s' * (n != 1)}; "
+            f"best.pt alone: {record.beam_name} BLEU {before:.2f}"
         )
     print(f"record: {out_dir / 'record.json'}")
     return 0

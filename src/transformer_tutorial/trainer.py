@@ -6,7 +6,9 @@ Nothing here knows about translation beyond "pairs of id sequences": :func:`fit`
 
 - ``last.pt``: everything needed to resume (weights, optimizer, schedule, :class:`TrainState`,
   random number generators), saved every ``checkpoint_every`` steps and when training stops;
-- ``best.pt``: the weights with the lowest validation loss so far.
+- ``best.pt``: the weights with the lowest validation loss so far;
+- ``snapshots/step-NNNNNNN.pt``: with ``config.average_last`` above 1, the weights of the last
+  ``average_last`` checkpoints, to average (:func:`snapshot_paths`).
 
 It also runs as one of several processes under ``torchrun`` (chapter 12,
 :mod:`~transformer_tutorial.distributed`): each rank trains on its share of the batches, the
@@ -41,6 +43,12 @@ from transformer_tutorial.precision import autocast, grad_scaler, resolve_precis
 from transformer_tutorial.runtime import StopRequest, catch_stop_signals, set_seed
 
 Pairs = Sequence[tuple[Sequence[int], Sequence[int]]]
+SNAPSHOT_DIR = "snapshots"
+
+
+def snapshot_paths(out_dir: Path | str) -> list[Path]:
+    """The weights a run kept for averaging (``config.average_last``), oldest first."""
+    return sorted((Path(out_dir) / SNAPSHOT_DIR).glob("step-*.pt"))
 
 
 @dataclass
@@ -215,6 +223,17 @@ class Trainer:
             self.out_dir / "last.pt",
         )
 
+    def save_snapshot(self) -> None:
+        """Keep this step's weights in ``snapshots/`` for averaging, and the newest
+        ``config.average_last`` of them only (rank 0 writes; nothing when it is 1)."""
+        if self.config.average_last < 2 or self.rank:
+            return
+        folder = self.out_dir / SNAPSHOT_DIR
+        folder.mkdir(exist_ok=True)
+        save_atomic(self._checkpoint(), folder / f"step-{self.state.step:07d}.pt")
+        for old in snapshot_paths(self.out_dir)[: -self.config.average_last]:
+            old.unlink()
+
     def validate(self) -> float:
         """The validation loss now; ``best.pt`` is rewritten when it is the lowest so far.
         Only rank 0 validates; the other ranks get NaN."""
@@ -277,6 +296,7 @@ class Trainer:
             self.validate()
         if config.checkpoint_every and state.step % config.checkpoint_every == 0:
             self.save_last()
+            self.save_snapshot()
 
     def _end_epoch(self, progress: bool) -> None:
         state = self.state
@@ -355,6 +375,7 @@ class Trainer:
         if not state.history["val"] or state.history["val"][-1]["step"] != state.step:
             self.validate()
         self.save_last()
+        self.save_snapshot()
         state.stopped_by = stopped_by or "epochs"
         return state
 
