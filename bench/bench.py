@@ -30,7 +30,6 @@ import math
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -50,6 +49,7 @@ from transformer_tutorial.decode import greedy_decode
 from transformer_tutorial.masks import causal_mask
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.optim import make_optimizer, translation_loss
+from transformer_tutorial.records import cpu_name, git_commit
 
 # nn.Transformer's note that pre-norm layers cannot use its nested-tensor fast path.
 warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
@@ -550,27 +550,6 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=RESULTS.parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        return re.search(r"model name\s*:\s*(.+)", text).group(1).strip()
-    except (OSError, AttributeError):
-        return platform.processor() or platform.machine()
-
-
 def print_table(results: dict) -> None:
     print("\nthroughput ratio ours ÷ nn.Transformer (> 1: ours faster), median wall clock")
     print(f"{'':8}{'config':<7}{'L':>4}{'ours ms':>10}{'torch ms':>10}{'ratio':>7}{'spread':>14}")
@@ -631,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     torch.set_num_threads(args.threads)
     settings = Settings(args, device)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     meta = {
         "device": device.type,
         "device_name": device_name,
@@ -641,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         "precision": "bf16 autocast" if settings.dtype else "fp32",
         "repeats": settings.repeats,
         "quick": settings.quick,
-        "commit": _git_commit(),
+        "commit": git_commit()["commit"],
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/bench.py", *(argv or sys.argv[1:])]),
     }

@@ -7,8 +7,9 @@ copies PyTorch's weights into them for the equality checks. Imports run one way:
 
 The training side (chapter 10), one job a module, none of which the model imports: ``data``
 (corpus, tokenizer, batches), ``optim`` (loss, optimizer, schedule), ``configs`` (the named
-recipes), ``checkpoint`` (save and load), ``trainer`` (the loop), ``runs`` (a whole run, its
-record, the runs cache); ``decode`` (chapter 11: greedy, beam search, BLEU). The command lines
+recipes), ``checkpoint`` (save, load, average), ``trainer`` (the loop), ``runs`` (a whole run,
+the runs cache), ``records`` (what a run was and how it went); ``decode`` (chapter 11: greedy,
+beam search, BLEU). The command lines
 are ``train`` and ``translate``; ``runtime`` picks the device and seeds. Chapter 12 adds
 ``precision`` (fp32, bf16 or fp16 with loss scaling) and ``distributed`` (many processes under
 ``torchrun``), which the trainer uses.
