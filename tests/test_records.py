@@ -55,3 +55,26 @@ def test_describe_run_shows_the_record_without_local_paths():
     assert f"{record.test2016['greedy']['score']:.2f} (lowercased" in text
     assert f"{record.epochs_completed} full epochs of" in text  # the reference ran > 1 epoch
     assert "1 full epoch of" in describe_run(replace(record, epochs_completed=1))
+
+
+def test_describe_run_says_which_weights_were_scored():
+    record = load_reference_record()
+    plain = replace(record, weights="best.pt", averaged=None)
+    assert "\nscored       best.pt, the weights with the lowest validation loss\n" in describe_run(
+        plain
+    )
+    averaged = replace(
+        record,
+        weights="averaged.pt",
+        averaged={
+            "steps": [1000, 1200, 1250],
+            "val_loss": 2.5,
+            "best_test2016": {"greedy": {"score": 30.0}, record.beam_name: {"score": 31.25}},
+        },
+    )
+    text = describe_run(averaged)
+    assert (
+        "\nscored       averaged.pt, the mean of the last 3 checkpoints (steps 1,000–1,250)"
+        in text
+    )
+    assert f"validation loss 2.500; best.pt alone: BLEU {record.beam_name} 31.25" in text

@@ -82,7 +82,7 @@ def test_tiny_run_end_to_end_resumes_records_and_translates(multi30k_dir, tmp_pa
     )
     assert first.returncode == 0, first.stderr
     assert "test2016 greedy: BLEU" in first.stdout
-    assert "scored averaged.pt, the mean of the last 1 checkpoint;" in first.stdout
+    assert "scored averaged.pt; best.pt alone: beam2 BLEU" in first.stdout
     again = [*common, "--max-steps", "5", "--resume"]
     assert train_cli.main(again) == 0  # in-process: faster
     record = json.loads((out / "record.json").read_text())
@@ -92,7 +92,7 @@ def test_tiny_run_end_to_end_resumes_records_and_translates(multi30k_dir, tmp_pa
     assert record["weights"] == "averaged.pt" and record["averaged"]["steps"] == [3, 5]
     assert set(record["averaged"]["best_test2016"]) >= {"greedy", "beam2"}
     assert torch.load(out / "averaged.pt", weights_only=True)["averaged_steps"] == [3, 5]
-    assert "scored averaged.pt, the mean of the last 2 checkpoints" in capsys.readouterr().out
+    assert "scored averaged.pt; best.pt alone: beam2 BLEU" in capsys.readouterr().out
     greedy = record["test2016"]["greedy"]
     assert {"score", "lowercase", "signature"} <= set(greedy) and "beam2" in record["test2016"]
     assert record["history"]["train"] and record["history"]["val"] and len(record["samples"]) == 5

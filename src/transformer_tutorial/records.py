@@ -159,7 +159,7 @@ def describe_run(record: RunRecord) -> str:
             f"{record.train_time_s / 60:.1f} min of training (stopped by {record.stopped_by})",
         ),
         ("best", f"validation loss {record.best['val_loss']:.3f} at step {record.best['step']:,}"),
-        ("scored", _scored_weights(record)),
+        *_scored_weights(record),
         ("wall time", f"{record.wall_time_s / 60:.1f} min in all, data and evaluation included"),
     ]
     scores = record.test2016
@@ -176,16 +176,24 @@ def describe_run(record: RunRecord) -> str:
     return "\n".join(f"{key:<12} {value}" for key, value in lines)
 
 
-def _scored_weights(record: RunRecord) -> str:
-    """Which weights the BLEU lines below score, in words."""
+def _scored_weights(record: RunRecord) -> list[tuple[str, str]]:
+    """Which weights the BLEU lines below score, and what averaging them changed."""
     if not record.averaged:
-        return f"{record.weights}, the best validation loss"
-    steps, before = record.averaged["steps"], record.averaged["best_test2016"]
-    return (
-        f"{record.weights}, the mean of the weights at steps {', '.join(f'{s:,}' for s in steps)}:"
-        f" validation loss {record.averaged['val_loss']:.3f}; best.pt alone: "
-        f"{record.beam_name} BLEU {before[record.beam_name]['score']:.2f}"
-    )
+        return [("scored", f"{record.weights}, the weights with the lowest validation loss")]
+    steps, alone = record.averaged["steps"], record.averaged["best_test2016"][record.beam_name]
+    n = len(steps)
+    return [
+        (
+            "scored",
+            f"{record.weights}, the mean of the last {n} checkpoint{'s' * (n != 1)} "
+            f"(steps {steps[0]:,}–{steps[-1]:,})",
+        ),
+        (
+            "averaging",
+            f"validation loss {record.averaged['val_loss']:.3f}; "
+            f"best.pt alone: BLEU {record.beam_name} {alone['score']:.2f}",
+        ),
+    ]
 
 
 def load_reference_record() -> RunRecord:

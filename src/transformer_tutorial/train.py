@@ -244,12 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"lowercased {scores[name]['lowercase']:.2f}"
         )
     if record.averaged:
-        before = record.averaged["best_test2016"][record.beam_name]["score"]
-        n = len(record.averaged["steps"])
-        print(
-            f"scored {record.weights}, the mean of the last {n} checkpoint{'s' * (n != 1)}; "
-            f"best.pt alone: {record.beam_name} BLEU {before:.2f}"
-        )
+        alone = record.averaged["best_test2016"][record.beam_name]["score"]
+        print(f"scored {record.weights}; best.pt alone: {record.beam_name} BLEU {alone:.2f}")
     print(f"record: {out_dir / 'record.json'}")
     return 0
 
