@@ -55,6 +55,7 @@ def test_averaged_weights_are_the_mean_of_the_checkpoints_and_the_rest_is_the_la
         save_atomic(checkpoint, paths[-1])
     averaged = average_checkpoints(paths)
     assert averaged["step"] == 3  # the rest of the checkpoint is the last one's
+    assert averaged["averaged_steps"] == [1, 2, 3]
     weights = averaged["model"]
     assert torch.equal(weights["count"], torch.tensor(3))
     for name, tensor in models[0].state_dict().items():

@@ -3,8 +3,11 @@ paths, and the reference record shipped with the package equal to the results fi
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 from transformer_tutorial import records
 from transformer_tutorial.records import RunRecord, describe_run, load_reference_record
@@ -55,6 +58,16 @@ def test_describe_run_shows_the_record_without_local_paths():
     assert f"{record.test2016['greedy']['score']:.2f} (lowercased" in text
     assert f"{record.epochs_completed} full epochs of" in text  # the reference ran > 1 epoch
     assert "1 full epoch of" in describe_run(replace(record, epochs_completed=1))
+
+
+def test_a_record_written_before_averaging_existed_loads_with_best_pt_scored(tmp_path):
+    data = json.loads(RESULTS_RECORD.read_text(encoding="utf-8"))
+    data.pop("weights", None), data.pop("averaged", None)
+    old = RunRecord.from_json(json.dumps(data))
+    assert old.weights == "best.pt" and old.averaged is None
+    del data["steps"]  # a field every record has
+    with pytest.raises(KeyError, match="steps"):
+        RunRecord.from_json(json.dumps(data))
 
 
 def test_describe_run_says_which_weights_were_scored():

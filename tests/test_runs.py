@@ -4,6 +4,7 @@ where a run has them), and the chapter's own run."""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from transformer_tutorial.data import cache_dir
 from transformer_tutorial.runs import find_checkpoint, runs_dir, train_for_chapter
 
 RUN_FILES = ("best.pt", "tokenizer.json", "record.json")
+RESULTS_RECORD = Path(__file__).resolve().parents[1] / "results" / "multi30k_de_en" / "record.json"
 
 
 @pytest.fixture
@@ -37,11 +39,14 @@ def test_runs_live_in_the_cache_folder_wherever_the_corpus_is(monkeypatch, tmp_p
     assert runs_dir() == tmp_path / "cache" / "runs"  # the corpus may live elsewhere, runs do not
 
 
+RECORD = json.loads(RESULTS_RECORD.read_text(encoding="utf-8"))
+
+
 def make_run(name: str, files=RUN_FILES) -> Path:
     folder = runs_dir() / name
     folder.mkdir(parents=True, exist_ok=True)
     for f in files:
-        (folder / f).write_text("{}")
+        (folder / f).write_text(json.dumps({**RECORD, "weights": "best.pt"}))
     return folder / "best.pt"
 
 
@@ -57,9 +62,10 @@ def test_find_checkpoint_prefers_base_then_small_then_chapter10(cache):
     assert find_checkpoint() == small
     base = make_run("base")
     assert find_checkpoint() == base
-    averaged = base.with_name("averaged.pt")  # the run scored its averaged weights
-    averaged.write_text("{}")
-    assert find_checkpoint() == averaged
+    base.with_name("averaged.pt").write_text("{}")
+    assert find_checkpoint() == base, "best.pt: the weights the record says were scored"
+    base.with_name("record.json").write_text(json.dumps({**RECORD, "weights": "averaged.pt"}))
+    assert find_checkpoint() == base.with_name("averaged.pt")
     for name, f in itertools.product(("base", "small"), RUN_FILES):
         (runs_dir() / name / f).unlink(missing_ok=True)
     assert find_checkpoint() == chapter

@@ -94,23 +94,41 @@ def test_checkpoints_history_time_budget_and_epochs(pairs, tmp_path):
     assert history["epochs"][-1]["train_loss"] < history["epochs"][0]["train_loss"]
 
 
-def test_the_last_checkpoints_weights_are_kept_for_averaging(pairs, tmp_path):
+def test_the_last_checkpoints_weights_are_kept_for_averaging_and_resuming_keeps_the_same(
+    pairs, tmp_path
+):
     train_pairs, val_pairs = pairs
-    options = RunOptions(seed=SEED, progress=False, max_steps=10)
-    fit(
-        CONFIG, train_pairs, val_pairs, vocab_size=VOCAB, out_dir=tmp_path / "one", options=options
-    )
+
+    def run(out_dir, config, max_steps, resume=False):
+        options = RunOptions(seed=SEED, progress=False, max_steps=max_steps, resume=resume)
+        return fit(
+            config, train_pairs, val_pairs, vocab_size=VOCAB, out_dir=out_dir, options=options
+        )
+
+    run(tmp_path / "one", CONFIG, 10)
     assert not (tmp_path / "one" / trainer.SNAPSHOT_DIR).exists()  # average_last=1: none kept
     config = replace(CONFIG, average_last=2)  # checkpoints every 4 steps, and the last one
-    model, _ = fit(
-        config, train_pairs, val_pairs, vocab_size=VOCAB, out_dir=tmp_path, options=options
-    )
-    paths = trainer.snapshot_paths(tmp_path)
-    assert [p.name for p in paths] == ["step-0000008.pt", "step-0000010.pt"]
-    last = torch.load(paths[-1], weights_only=True)
+    model, _ = run(tmp_path / "straight", config, 10)
+    straight = trainer.snapshot_paths(tmp_path / "straight")
+    assert [p.name for p in straight] == ["step-0000008.pt", "step-0000010.pt"]
+    last = torch.load(straight[-1], weights_only=True)
     assert last["step"] == 10 and "optimizer" not in last  # weights only, not resumable
     for name, tensor in model.state_dict().items():
         assert torch.equal(last["model"][name], tensor), name
+    # Stopped at step 6 (off the schedule: a snapshot of step 6), then resumed to step 10: the
+    # same snapshots as the uninterrupted run, step 6's dropped.
+    run(tmp_path / "resumed", config, 6)
+    assert [trainer.snapshot_step(p) for p in trainer.snapshot_paths(tmp_path / "resumed")] == [
+        4,
+        6,
+    ]
+    run(tmp_path / "resumed", config, 10, resume=True)
+    resumed = trainer.snapshot_paths(tmp_path / "resumed")
+    assert [p.name for p in resumed] == [p.name for p in straight]
+    for a, b in zip(straight, resumed, strict=True):
+        weights_a = torch.load(a, weights_only=True)["model"]
+        weights_b = torch.load(b, weights_only=True)["model"]
+        assert all(torch.equal(weights_a[n], weights_b[n]) for n in weights_a), a.name
 
 
 def test_training_time_is_counted_once(pairs, tmp_path, monkeypatch):

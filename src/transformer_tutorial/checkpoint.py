@@ -78,8 +78,9 @@ def load_model(
 
 def average_checkpoints(paths: Sequence[Path | str]) -> dict:
     """The checkpoint at ``paths[-1]`` with its weights replaced by the mean of the weights of
-    all ``paths`` (the paper scores its base models so, section 6.1). Integer tensors, which are
-    not weights, are taken from the last checkpoint."""
+    all ``paths`` (the paper scores its base models so, section 6.1), and ``averaged_steps``, the
+    checkpoints' steps. Each weight is averaged in float64 and stored in its own dtype; integer
+    tensors, which are not weights, are taken from the last checkpoint."""
     if not paths:
         raise ValueError("average_checkpoints needs at least one checkpoint, got none")
     checkpoints = [load_checkpoint(path) for path in paths]
@@ -97,7 +98,7 @@ def average_checkpoints(paths: Sequence[Path | str]) -> dict:
                 f"name or shape ({name})"
             ) from None
         averaged[name] = stacked.mean(dim=0).to(tensor.dtype)
-    return {**last, "model": averaged}
+    return {**last, "model": averaged, "averaged_steps": [c.get("step") for c in checkpoints]}
 
 
 def rng_states() -> dict:

@@ -9,7 +9,7 @@ import json
 import os
 import platform
 import subprocess
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
@@ -25,7 +25,13 @@ RECORD_SAMPLES = 20
 
 @dataclass
 class RunRecord:
-    """What a run was and how it went, as ``record.json`` stores it."""
+    """What a run was and how it went, as ``record.json`` stores it.
+
+    ``test2016`` holds the BLEU scores of the weights in the file ``weights`` (``"best.pt"``, or
+    ``"averaged.pt"`` for a recipe with ``average_last`` above 1). For those, ``averaged`` says
+    ``{"steps": [...], "val_loss": ..., "best_test2016": {...}}``: the checkpoints averaged, the
+    mean's validation loss and, to compare, ``best.pt``'s scores; otherwise it is None.
+    """
 
     command: list[str]
     config: dict
@@ -62,7 +68,9 @@ class RunRecord:
     @classmethod
     def from_json(cls, text: str) -> RunRecord:
         data = json.loads(text)  # fields with defaults came later: older records lack them
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        return cls(
+            **{f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING}
+        )
 
     def save(self, path: Path | str) -> None:
         text = json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n"

@@ -32,7 +32,7 @@ from transformer_tutorial.data import (
     train_tokenizer,
 )
 from transformer_tutorial.decode import bleu, translate_sentences
-from transformer_tutorial.model import Transformer, TransformerConfig
+from transformer_tutorial.model import Transformer
 from transformer_tutorial.precision import resolve_precision
 from transformer_tutorial.records import RECORD_SAMPLES, RunRecord, git_commit, hardware
 from transformer_tutorial.runtime import get_device
@@ -43,6 +43,7 @@ CHAPTER_MINUTES = {"cuda": 10.0, "cpu": 2.0}
 
 
 TOKENIZER_FILE = "tokenizer.json"
+AVERAGED = "averaged.pt"
 
 
 def _prepare_data(
@@ -92,12 +93,10 @@ def _score(
 def _average_snapshots(
     config: TrainConfig, out_dir: Path, val_pairs: list, device: torch.device, precision: str
 ) -> tuple[Transformer, dict]:
-    """Write ``averaged.pt``: the mean of the weights in ``snapshots/``, with its validation
-    loss; returns that model and what the record says of it."""
-    paths = snapshot_paths(out_dir)
-    checkpoint = average_checkpoints(paths)
-    model = Transformer(TransformerConfig(**checkpoint["model_config"])).to(device)
-    model.load_state_dict(checkpoint["model"])
+    """Write ``averaged.pt``, the mean of the weights in ``snapshots/``; returns that model and
+    what the record keeps of it: the steps averaged and the validation loss."""
+    save_atomic(average_checkpoints(snapshot_paths(out_dir)), out_dir / AVERAGED)
+    model, _, saved = load_model(out_dir / AVERAGED, device)
     val_loss = evaluate_loss(
         model,
         val_pairs,
@@ -106,12 +105,7 @@ def _average_snapshots(
         device=device,
         precision=precision,
     )
-    steps = [int(path.stem.removeprefix("step-")) for path in paths]
-    save_atomic({**checkpoint, "val_loss": val_loss, "averaged_steps": steps}, out_dir / AVERAGED)
-    return model.eval(), {"steps": steps, "val_loss": val_loss}
-
-
-AVERAGED = "averaged.pt"
+    return model, {"steps": saved["averaged_steps"], "val_loss": val_loss}
 
 
 def run_experiment(
@@ -194,8 +188,8 @@ def runs_dir() -> Path:
 
 
 def find_checkpoint() -> Path | None:
-    """The scored weights (``averaged.pt`` or ``best.pt``) of the best finished run in
-    :func:`runs_dir`, or None.
+    """The weights the best finished run in :func:`runs_dir` was scored with (its record's
+    ``weights``: ``best.pt``, or ``averaged.pt``), or None.
 
     Runs are preferred in the order of :data:`RUN_PREFERENCE`: ``base`` (the paper's model, on a
     GPU), ``small`` (the reference recipe), ``chapter10`` (chapter 10's quick CPU run). A run is
@@ -204,8 +198,7 @@ def find_checkpoint() -> Path | None:
     for name in RUN_PREFERENCE:
         folder = runs_dir() / name
         if all((folder / f).is_file() for f in ("best.pt", TOKENIZER_FILE, "record.json")):
-            averaged = folder / AVERAGED
-            return averaged if averaged.is_file() else folder / "best.pt"
+            return folder / RunRecord.load(folder / "record.json").weights
     return None
 
 

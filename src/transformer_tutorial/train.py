@@ -9,7 +9,9 @@ and, the same command on N GPUs of one machine (chapter 12)::
     torchrun --nproc_per_node N -m transformer_tutorial.train --config base --out runs/base
 
 writes ``tokenizer.json``, ``last.pt`` (everything needed to resume), ``best.pt`` (the weights
-with the lowest validation loss) and ``record.json`` (what was run, where, and how it went).
+with the lowest validation loss), for recipes that average checkpoints ``snapshots/`` (the last
+checkpoints' weights) and ``averaged.pt`` (their mean), and ``record.json`` (what was run,
+where, and how it went).
 The work is done by :func:`transformer_tutorial.runs.run_experiment`.
 """
 
@@ -54,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=None,
-        help="folder for tokenizer.json, last.pt, best.pt and record.json; default: runs/CONFIG",
+        help="folder for tokenizer.json, last.pt, best.pt, averaged.pt and record.json; "
+        "default: runs/CONFIG",
     )
     parser.add_argument(
         "--max-minutes",

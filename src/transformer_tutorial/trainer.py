@@ -48,7 +48,12 @@ SNAPSHOT_DIR = "snapshots"
 
 def snapshot_paths(out_dir: Path | str) -> list[Path]:
     """The weights a run kept for averaging (``config.average_last``), oldest first."""
-    return sorted((Path(out_dir) / SNAPSHOT_DIR).glob("step-*.pt"))
+    return sorted((Path(out_dir) / SNAPSHOT_DIR).glob("step-*.pt"), key=snapshot_step)
+
+
+def snapshot_step(path: Path) -> int:
+    """The step a snapshot was taken at, from its name ``step-NNNNNNN.pt``."""
+    return int(path.stem.removeprefix("step-"))
 
 
 @dataclass
@@ -176,6 +181,12 @@ class Trainer:
             if self.rank:
                 torch.manual_seed(self.seed + self.rank + self.state.step)
         self.seconds_before = self.state.train_seconds
+        if self.rank == 0:  # the run goes on: the snapshot of where it stopped was off schedule
+            every = self.config.checkpoint_every
+            for path in snapshot_paths(self.out_dir):
+                step = snapshot_step(path)
+                if step > self.state.step or (step % every if every else True):
+                    path.unlink()
 
     def elapsed(self) -> float:
         """Seconds of training in this run, earlier sessions of a resumed run included."""
@@ -295,8 +306,8 @@ class Trainer:
         if config.eval_every and state.step % config.eval_every == 0:
             self.validate()
         if config.checkpoint_every and state.step % config.checkpoint_every == 0:
+            self.save_snapshot()  # first: a crash before last.pt redoes the step, and its snapshot
             self.save_last()
-            self.save_snapshot()
 
     def _end_epoch(self, progress: bool) -> None:
         state = self.state
@@ -374,8 +385,8 @@ class Trainer:
             raise TrainingInterrupted(state.step, self.out_dir / "last.pt")
         if not state.history["val"] or state.history["val"][-1]["step"] != state.step:
             self.validate()
-        self.save_last()
         self.save_snapshot()
+        self.save_last()
         state.stopped_by = stopped_by or "epochs"
         return state
 
