@@ -28,9 +28,11 @@ import argparse
 import ctypes
 import json
 import math
+import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -452,42 +454,78 @@ def _fused_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v)
 
 
-def bench_attention(s: Settings, device: torch.device) -> list[dict]:
-    """Section 5: one self-attention call (B=1, H=8, Dh=64), forward, no grad."""
-    B, H, Dh = 1, 8, 64
-    dtype = s.dtype or torch.float32
-    measurable = device.type == "cuda" or map_large_allocations()
-    rows = []
-    for L in s.attention_lengths:
-        q, k, v = torch.randn(3, B, H, L, Dh, device=device, dtype=dtype).unbind(0)
+ATTENTION_SHAPE = {"batch": 1, "heads": 8, "d_head": 64}
 
+
+def attention_peaks(lengths: list[int], device: torch.device, dtype: torch.dtype) -> dict:
+    """``{L: (written-out peak, fused peak)}`` in MiB (None where not measurable)."""
+    B, H, Dh = ATTENTION_SHAPE.values()
+    peaks = {}
+    for L in lengths:
+        q, k, v = torch.randn(3, B, H, L, Dh, device=device, dtype=dtype).unbind(0)
+        found = [
+            peak_memory(partial(fn, q, k, v), device)
+            for fn in (_written_out_attention, _fused_attention)
+        ]
+        peaks[L] = [None if peak is None else peak / 2**20 for peak in found]
+    return peaks
+
+
+def _cpu_attention_peaks(lengths: list[int], dtype: torch.dtype) -> dict:
+    """:func:`attention_peaks` on the CPU, in a fresh Python process: there every large tensor
+    is mapped and unmapped on its own from the start (:func:`map_large_allocations`), while this
+    process's allocator holds memory the earlier sections freed and would reuse unseen."""
+    code = (
+        "import json, torch, bench\n"
+        "ok = bench.map_large_allocations()\n"
+        f"peaks = bench.attention_peaks({lengths}, torch.device('cpu'), {dtype}) if ok else None\n"
+        "print(json.dumps(peaks))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parent,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
+    )
+    if done.returncode:
+        return {}
+    found = json.loads(done.stdout.splitlines()[-1]) or {}
+    return {int(L): peaks for L, peaks in found.items()}
+
+
+def bench_attention(s: Settings, device: torch.device) -> list[dict]:
+    """Section 5: one self-attention call (B=1, H=8, Dh=64), forward, no grad: time, and peak
+    memory (on the CPU measured in a fresh process, see :func:`_cpu_attention_peaks`)."""
+    B, H, Dh = ATTENTION_SHAPE.values()
+    dtype = s.dtype or torch.float32
+    lengths = list(s.attention_lengths)
+    if device.type == "cuda":
+        peaks = attention_peaks(lengths, device, dtype)
+    else:
+        peaks = _cpu_attention_peaks(lengths, dtype)
+    rows = []
+    for L in lengths:
+        q, k, v = torch.randn(3, B, H, L, Dh, device=device, dtype=dtype).unbind(0)
         written = partial(_written_out_attention, q, k, v)
         fused = partial(_fused_attention, q, k, v)
         torch.testing.assert_close(written(), fused(), atol=1e-2, rtol=1e-2)
         timed = interleaved({"written": written, "fused": fused}, s.repeats, 1, device)
+        written_peak, fused_peak = peaks.get(L, (None, None))
         row = {
             "L": L,
-            "batch": B,
-            "heads": H,
-            "d_head": Dh,
+            **ATTENTION_SHAPE,
             "score_tensor_mib": B * H * L * L * dtype.itemsize / 2**20,
             "written_ms": 1e3 * timed["written"]["median_s"],
             "fused_ms": 1e3 * timed["fused"]["median_s"],
-            "written_peak_mib": None,
-            "fused_peak_mib": None,
+            "written_peak_mib": written_peak,
+            "fused_peak_mib": fused_peak,
         }
-        for name in ("written", "fused"):
-            peak = (
-                peak_memory(written if name == "written" else fused, device)
-                if measurable
-                else None
-            )
-            row[f"{name}_peak_mib"] = None if peak is None else peak / 2**20
         rows.append(row)
         memory = (
             "memory not measured"
-            if row["written_peak_mib"] is None
-            else f"peak {row['written_peak_mib']:7.1f} vs {row['fused_peak_mib']:6.1f} MiB"
+            if written_peak is None
+            else f"peak {written_peak:7.1f} vs {fused_peak:6.1f} MiB"
         )
         print(
             f"  attention L={L:<5} written-out {row['written_ms']:8.2f} ms  fused "
