@@ -185,7 +185,8 @@ class Trainer:
             every = self.config.checkpoint_every
             for path in snapshot_paths(self.out_dir):
                 step = snapshot_step(path)
-                if step > self.state.step or (step % every if every else True):
+                on_schedule = every and step % every == 0
+                if step > self.state.step or not on_schedule:
                     path.unlink()
 
     def elapsed(self) -> float:
