@@ -20,6 +20,7 @@ import torch
 
 from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID
 from transformer_tutorial.model import Transformer, TransformerConfig
+from transformer_tutorial.runtime import DEVICE_VARIABLE, check_device
 
 SHARED_COPY = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
 
@@ -58,6 +59,29 @@ def multi30k_dir(default_multi30k_dir: None) -> Path:
             f"(none found at {SHARED_COPY})"
         )
     return Path(os.environ["MULTI30K_DIR"])
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The device the reference-equality tests run on: ``TRANSFORMER_TUTORIAL_DEVICE``
+    (``make check-device DEVICE=cuda``), else the CPU. On CUDA, TF32 is turned off so that
+    float32 products are float32 and the tests' tolerances (1e-5) mean what they say."""
+    device = check_device(os.environ.get(DEVICE_VARIABLE) or "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return device
+
+
+def to_device(things, device: torch.device):
+    """Tensors and modules moved to ``device``, inside tuples, lists and dicts too."""
+    if isinstance(things, torch.Tensor | torch.nn.Module):
+        return things.to(device)
+    if isinstance(things, tuple | list):
+        return type(things)(to_device(x, device) for x in things)
+    if isinstance(things, dict):
+        return {k: to_device(v, device) for k, v in things.items()}
+    return things
 
 
 def raises(call: Callable[[], object], error: type[Exception], phrase: str) -> BaseException:

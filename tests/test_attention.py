@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import raises
+from conftest import raises, to_device
 from transformer_tutorial import set_seed
 from transformer_tutorial.attention import MultiHeadAttention, scaled_dot_product_attention
 from transformer_tutorial.copy_weights import copy_mha
@@ -49,32 +49,30 @@ def _key_padding() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("heads", [True, False], ids=["4d", "3d"])
-def test_function_matches_torch_without_mask(heads):
-    q, k, v = _qkv(heads)
+def test_function_matches_torch_without_mask(heads, device):
+    q, k, v = to_device(_qkv(heads), device)
     out, _ = scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=ATOL, rtol=0)
 
 
-def test_function_matches_torch_with_bool_mask():
-    q, k, v = _qkv()
-    mask = _random_mask()
+def test_function_matches_torch_with_bool_mask(device):
+    q, k, v, mask = to_device((*_qkv(), _random_mask()), device)
     out, _ = scaled_dot_product_attention(q, k, v, attn_mask=mask)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask)  # F.sdpa: True = attend
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
-def test_function_matches_torch_causal():
+def test_function_matches_torch_causal(device):
     set_seed(0)
-    q, k, v = (torch.randn(B, H, L, DK) for _ in range(3))
-    out, _ = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L))
+    q, k, v = (torch.randn(B, H, L, DK).to(device) for _ in range(3))
+    out, _ = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L, device=device))
     torch.testing.assert_close(
         out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=ATOL, rtol=0
     )
 
 
-def test_function_matches_torch_with_key_padding_mask():
-    q, k, v = _qkv()
-    kpm = _key_padding()
+def test_function_matches_torch_with_key_padding_mask(device):
+    q, k, v, kpm = to_device((*_qkv(), _key_padding()), device)
     out, _ = scaled_dot_product_attention(q, k, v, key_padding_mask=kpm)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=~kpm[:, None, None, :])
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
@@ -140,9 +138,9 @@ CASES = ["self", "cross", "key_padding_mask", "attn_mask", "both"]
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_mha_matches_torch(case):
-    ours, ref = _pair()
-    query, key, value, masks = _inputs(case)
+def test_mha_matches_torch(case, device):
+    ours, ref = to_device(_pair(), device)
+    query, key, value, masks = to_device(_inputs(case), device)
     expected, per_head = ref(
         query, key, value, need_weights=True, average_attn_weights=False, **masks
     )
@@ -156,13 +154,14 @@ def test_mha_matches_torch(case):
     torch.testing.assert_close(weights.mean(dim=1), averaged, atol=ATOL, rtol=0)
 
 
-def test_mha_per_head_attn_mask_matches_torch():
+def test_mha_per_head_attn_mask_matches_torch(device):
     """Our ``(B, H, L, S)`` mask is PyTorch's ``(B·H, L, S)`` one, heads kept apart."""
-    ours, ref = _pair()
-    query, key, value, _ = _inputs("cross")
+    ours, ref = to_device(_pair(), device)
+    query, key, value, _ = to_device(_inputs("cross"), device)
     gen = torch.Generator().manual_seed(2)
     mask = torch.rand(B, H, L, S, generator=gen) < 0.5
     mask[..., 0] = False
+    mask = mask.to(device)
     expected, per_head = ref(
         query, key, value, attn_mask=mask.reshape(B * H, L, S), average_attn_weights=False
     )

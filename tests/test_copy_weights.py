@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import to_device
 from transformer_tutorial.attention import MultiHeadAttention
 from transformer_tutorial.copy_weights import (
     copy_decoder,
@@ -29,7 +30,7 @@ ATOL = 1e-5
 
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_copy_transformer_makes_both_stacks_equal_nn_transformer(norm_first):
+def test_copy_transformer_makes_both_stacks_equal_nn_transformer(norm_first, device):
     g = torch.Generator().manual_seed(0)
     src, tgt = torch.randn(B, S, D, generator=g), torch.randn(B, T, D, generator=g)
     src_pad = torch.zeros(B, S, dtype=torch.bool)
@@ -55,6 +56,9 @@ def test_copy_transformer_makes_both_stacks_equal_nn_transformer(norm_first):
     )
     ours = Transformer(config).eval()
     copy_transformer(ours, ref)
+    ours, ref, src, tgt, src_pad, tgt_pad = to_device(
+        (ours, ref, src, tgt, src_pad, tgt_pad), device
+    )
     with torch.no_grad():
         memory = ours.encoder(src, src_key_padding_mask=src_pad)
         out = ours.decoder(
@@ -63,7 +67,7 @@ def test_copy_transformer_makes_both_stacks_equal_nn_transformer(norm_first):
         expected = ref(
             src,
             tgt,
-            tgt_mask=causal_mask(T),
+            tgt_mask=causal_mask(T, device=device),
             src_key_padding_mask=src_pad,
             tgt_key_padding_mask=tgt_pad,
             memory_key_padding_mask=src_pad,

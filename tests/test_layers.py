@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import to_device
 from transformer_tutorial import set_seed
 from transformer_tutorial.copy_weights import copy_decoder_layer, copy_encoder_layer
 from transformer_tutorial.layers import DecoderLayer, EncoderLayer, FeedForward, LayerNorm
@@ -152,9 +153,9 @@ def _decoder_pair(norm_first: bool) -> tuple[DecoderLayer, nn.TransformerDecoder
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_encoder_layer_equals_torch_and_forward_with_weights_agrees(data, norm_first):
-    src, _, src_pad, _ = data
-    ours, ref = _encoder_pair(norm_first)
+def test_encoder_layer_equals_torch_and_forward_with_weights_agrees(data, norm_first, device):
+    src, _, src_pad, _ = to_device(data, device)
+    ours, ref = to_device(_encoder_pair(norm_first), device)
     with torch.no_grad():
         out = ours(src, src_key_padding_mask=src_pad)
         written_out, weights = ours.forward_with_weights(src, src_key_padding_mask=src_pad)
@@ -172,21 +173,23 @@ def test_encoder_layer_equals_torch_and_forward_with_weights_agrees(data, norm_f
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_decoder_layer_equals_torch_and_forward_with_weights_agrees(data, norm_first):
-    src, tgt, src_pad, tgt_pad = data
-    ours, ref = _decoder_pair(norm_first)
+def test_decoder_layer_equals_torch_and_forward_with_weights_agrees(data, norm_first, device):
+    src, tgt, src_pad, tgt_pad = to_device(data, device)
+    ours, ref = to_device(_decoder_pair(norm_first), device)
     masks = dict(tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+    causal = causal_mask(T, device=device)
     with torch.no_grad():
         out = ours(tgt, src, **masks)
         written_out, (self_w, cross_w) = ours.forward_with_weights(tgt, src, **masks)
-        expected = ref(tgt, src, tgt_mask=causal_mask(T), tgt_is_causal=True, **masks)
+        expected = ref(tgt, src, tgt_mask=causal, tgt_is_causal=True, **masks)
     assert isinstance(out, torch.Tensor)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     torch.testing.assert_close(written_out, expected, atol=ATOL, rtol=0)
     assert self_w.shape == (B, H, T, T) and cross_w.shape == (B, H, T, S)
-    assert torch.all(self_w[..., causal_mask(T)] == 0)  # no weight on the future
+    assert torch.all(self_w[..., causal] == 0)  # no weight on the future
     assert torch.all(cross_w[2, :, :, 3:] == 0)  # no weight on memory padding
-    torch.testing.assert_close(cross_w.sum(-1), torch.ones(B, H, T), atol=ATOL, rtol=0)
+    ones = torch.ones(B, H, T, device=device)
+    torch.testing.assert_close(cross_w.sum(-1), ones, atol=ATOL, rtol=0)
 
 
 def test_copy_into_a_layer_refuses_mismatched_settings():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import transformer_tutorial.layers as layers
-from conftest import raises, tiny_config
+from conftest import raises, tiny_config, to_device
 from transformer_tutorial.copy_weights import copy_decoder, copy_encoder, copy_transformer
 from transformer_tutorial.data import BOS_ID, PAD_ID
 from transformer_tutorial.layers import DecoderLayer, EncoderLayer
@@ -58,8 +58,8 @@ def decoder(norm_first: bool, n: int = N) -> Decoder:
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_encoder_stack_equals_torch(vectors, norm_first):
-    src, _, src_pad, _ = vectors
+def test_encoder_stack_equals_torch(vectors, norm_first, device):
+    src, _, src_pad, _ = to_device(vectors, device)
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(
         D, H, D_FF, dropout=0.0, batch_first=True, norm_first=norm_first
@@ -70,6 +70,7 @@ def test_encoder_stack_equals_torch(vectors, norm_first):
     ours = encoder(norm_first).eval()
     assert (ours.norm is not None) == norm_first
     copy_encoder(ours, ref)
+    ours, ref = to_device((ours, ref), device)
     with torch.no_grad():
         expected = ref(src, src_key_padding_mask=src_pad)
         out = ours(src, src_key_padding_mask=src_pad)
@@ -81,8 +82,8 @@ def test_encoder_stack_equals_torch(vectors, norm_first):
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_decoder_stack_equals_torch(vectors, norm_first):
-    src, tgt, src_pad, tgt_pad = vectors
+def test_decoder_stack_equals_torch(vectors, norm_first, device):
+    src, tgt, src_pad, tgt_pad = to_device(vectors, device)
     torch.manual_seed(0)
     layer = nn.TransformerDecoderLayer(
         D, H, D_FF, dropout=0.0, batch_first=True, norm_first=norm_first
@@ -91,9 +92,11 @@ def test_decoder_stack_equals_torch(vectors, norm_first):
     ref = nn.TransformerDecoder(layer, N, norm=final_norm).eval()
     ours = decoder(norm_first).eval()
     copy_decoder(ours, ref)
+    ours, ref = to_device((ours, ref), device)
     masks = dict(tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
     with torch.no_grad():
-        expected = ref(tgt, src, tgt_mask=causal_mask(T), tgt_is_causal=True, **masks)
+        mask = causal_mask(T, device=device)
+        expected = ref(tgt, src, tgt_mask=mask, tgt_is_causal=True, **masks)
         out = ours(tgt, src, **masks)
         written_out, weights = ours.forward_with_weights(tgt, src, **masks)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
@@ -131,10 +134,13 @@ def decode_three_ways(stack: Decoder, tgt, memory, memory_pad):
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_teacher_forcing_equals_step_by_step_recomputed_and_with_the_kv_cache(vectors, norm_first):
-    src, tgt, src_pad, _ = vectors
+def test_teacher_forcing_equals_step_by_step_recomputed_and_with_the_kv_cache(
+    vectors, norm_first, device
+):
+    src, tgt, src_pad, _ = to_device(vectors, device)
     torch.manual_seed(0)
-    parallel, recompute, cached = decode_three_ways(decoder(norm_first).eval(), tgt, src, src_pad)
+    stack = decoder(norm_first).eval().to(device)
+    parallel, recompute, cached = decode_three_ways(stack, tgt, src, src_pad)
     torch.testing.assert_close(recompute, parallel, atol=ATOL, rtol=0)
     torch.testing.assert_close(cached, parallel, atol=ATOL, rtol=0)
 
@@ -165,8 +171,10 @@ def test_without_the_causal_mask_teacher_forcing_sees_the_future(vectors, monkey
 
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_equals_nn_transformer_with_our_embeddings_and_generator(ids, tiny_model, norm_first):
-    src, tgt = ids
+def test_equals_nn_transformer_with_our_embeddings_and_generator(
+    ids, tiny_model, norm_first, device
+):
+    src, tgt = to_device(ids, device)
     ours = tiny_model(norm_first=norm_first)
     c = ours.config
     torch.manual_seed(1)
@@ -185,13 +193,14 @@ def test_equals_nn_transformer_with_our_embeddings_and_generator(ids, tiny_model
         ref.encoder.norm = None
         ref.decoder.norm = None
     copy_transformer(ours, ref)
+    ours, ref = to_device((ours, ref), device)
     src_pad, tgt_pad = src == PAD_ID, tgt == PAD_ID
     with torch.no_grad():
         logits = ours(src, tgt)
         hidden = ref(
             ours.positional(ours.src_embed(src)),
             ours.positional(ours.tgt_embed(tgt)),
-            tgt_mask=causal_mask(tgt.size(1)),
+            tgt_mask=causal_mask(tgt.size(1), device=device),
             src_key_padding_mask=src_pad,
             tgt_key_padding_mask=tgt_pad,
             memory_key_padding_mask=src_pad,

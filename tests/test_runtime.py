@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from conftest import raises
-from transformer_tutorial.runtime import get_device, set_seed
+from transformer_tutorial.runtime import DEVICE_VARIABLE, get_device, set_seed
 
 
 def test_get_device_takes_what_is_asked_and_otherwise_the_best_available(monkeypatch):
+    monkeypatch.delenv(DEVICE_VARIABLE, raising=False)
     assert get_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
@@ -22,6 +23,18 @@ def test_get_device_takes_what_is_asked_and_otherwise_the_best_available(monkeyp
     assert get_device() == torch.device("mps")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert get_device() == torch.device("cuda")
+
+
+def test_the_environment_names_the_device_and_an_argument_overrides_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv(DEVICE_VARIABLE, "cpu")
+    assert get_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(DEVICE_VARIABLE, "bogus")
+    raises(get_device, ValueError, "device 'bogus' is not a device name")
+    assert get_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv(DEVICE_VARIABLE, "")  # empty: as if unset
+    assert get_device() == torch.device("cpu")
 
 
 DEVICE_ROWS = [

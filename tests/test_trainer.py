@@ -209,6 +209,9 @@ def test_an_interrupted_run_saves_its_step_and_resumes_exactly(pairs, tmp_path, 
 
     straight, _ = run(tmp_path / "straight")
     step = Trainer.train_step
+    # Whatever started pytest decides SIGINT's handler (nohup and background jobs inherit
+    # SIG_IGN, a terminal gives Python's default_int_handler): the run must put it back.
+    before = signal.getsignal(signal.SIGINT)
 
     def step_then_signal(self, batch):
         result = step(self, batch)
@@ -222,7 +225,7 @@ def test_an_interrupted_run_saves_its_step_and_resumes_exactly(pairs, tmp_path, 
     monkeypatch.undo()
     assert info.value.step == 5 and info.value.checkpoint == tmp_path / "resumed" / "last.pt"
     assert torch.load(info.value.checkpoint, weights_only=True)["step"] == 5
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is before  # handlers restored
     resumed, state = run(tmp_path / "resumed", resume=True)
     assert state.step == 12
     for (name, a), b in zip(

@@ -4,6 +4,7 @@ No module picks a device or seeds by itself."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import threading
@@ -13,9 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
+# Names the device for every chapter and test at once (`make check-device DEVICE=cuda`).
+DEVICE_VARIABLE = "TRANSFORMER_TUTORIAL_DEVICE"
+
 
 def get_device(prefer: str | None = None) -> torch.device:
-    """Return the device to run on: ``prefer`` if given, else CUDA, then Apple's MPS, then CPU."""
+    """Return the device to run on: ``prefer`` if given, else the one the environment variable
+    ``TRANSFORMER_TUTORIAL_DEVICE`` names, else CUDA, then Apple's MPS, then CPU."""
+    if prefer is None:
+        prefer = os.environ.get(DEVICE_VARIABLE) or None
     if prefer is not None:
         return check_device(prefer)
     if torch.cuda.is_available():
