@@ -1,8 +1,15 @@
 # Two commands for a fresh machine: `make book` (the website) and `make test` (every test).
 # While working: `make unit` (the package's quick tests, under a minute) and `make lint`.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
+# DEVICE: where the chapters and the reference-equality tests run (`make check-device
+# DEVICE=cuda`; CI runs `make test DEVICE=cpu`). Empty: each chapter takes the best device it
+# finds. Read by transformer_tutorial.get_device and the tests' `device` fixture.
+DEVICE ?=
+export TRANSFORMER_TUTORIAL_DEVICE := $(DEVICE)
+# TORCH: another torch for `make check-torch TORCH=2.5.1`, installed into its own venv.
+TORCH  ?=
 LINTED := src tests scripts bench
 # Two test processes, one torch thread each: the tests assert values, not speed, and their
 # models are tiny. `make unit` deals tests out one by one (the best balance); `make pytest` keeps
@@ -16,7 +23,7 @@ define timed
 	"in $$(( $$(date +%s) - start )) s"; exit $$status
 endef
 
-.PHONY: book test unit lint pytest chapters install execute clean bench
+.PHONY: book test unit lint pytest chapters install execute clean bench check-device check-torch
 
 book: $(VENV)/.installed
 	rm -rf _build
@@ -51,6 +58,20 @@ chapters: $(VENV)/.installed
 bench: | $(VENV)/.installed
 	$(call timed,$(BIN)/python bench/bench.py $(BENCH_ARGS))
 
+# The unit tests and every chapter on one device: `make check-device DEVICE=cuda` on a machine
+# with a GPU (TF32 off for the equality tests). Off the CPU, chapters are checked for errors and
+# failing asserts only (nbval --nbval-lax): their stored outputs were computed on a CPU.
+check-device: | $(VENV)/.installed
+	@test -n "$(DEVICE)" || { echo "check-device needs DEVICE=cpu, cuda, cuda:1 or mps"; exit 2; }
+	$(MAKE) -k unit chapters
+
+# The unit tests and every chapter on another torch, in a venv of its own under /tmp:
+# `make check-torch TORCH=2.5.1` (on Linux pip downloads that torch with its CUDA libraries,
+# about 5 GB). The chapters' stored outputs are compared as usual.
+check-torch:
+	@test -n "$(TORCH)" || { echo "check-torch needs TORCH=<version>, e.g. TORCH=2.5.1"; exit 2; }
+	$(MAKE) -k unit chapters VENV=/tmp/venv-torch-$(TORCH)
+
 # Re-run chapters so their stored outputs match the package (after changing code they import).
 execute: $(VENV)/.installed
 	$(BIN)/python scripts/execute_notebooks.py $(NOTEBOOKS)
@@ -60,8 +81,10 @@ install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	@# On Linux without torch, take the 2.13.0 wheel first: the ranges below then install no other.
-	if [ "$$(uname -s)" = Linux ] && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+	@# TORCH=X installs that torch first; on Linux without torch, take the 2.13.0 wheel first:
+	@# the ranges below then install no other.
+	if [ -n "$(TORCH)" ]; then $(BIN)/python -m pip install --quiet torch==$(TORCH); \
+	elif [ "$$(uname -s)" = Linux ] && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 		$(BIN)/python -m pip install --quiet torch==2.13.0; fi
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet -e .
