@@ -14,7 +14,12 @@ import torch
 from torch import nn
 
 from transformer_tutorial.attention import MultiHeadAttention, scaled_dot_product_attention
-from transformer_tutorial.masks import causal_mask, merge_masks, padding_mask
+from transformer_tutorial.masks import (
+    causal_mask,
+    merge_masks,
+    padding_mask,
+    sliding_window_causal_mask,
+)
 
 PAD = 0
 
@@ -48,6 +53,67 @@ def test_causal_mask_with_a_cache_is_the_bottom_rows(q_len, k_len):
 def test_causal_mask_refuses_fewer_keys_than_queries():
     with pytest.raises(ValueError, match="k_len=2 must be at least q_len=3"):
         causal_mask(3, 2)
+
+
+def _sliding_by_index(q_len: int, k_len: int, window: int) -> torch.Tensor:
+    """The sliding-window mask from index arithmetic: query i sits at p = k_len - q_len + i
+    and is blocked from key j unless p - window < j <= p."""
+    p = torch.arange(k_len - q_len, k_len)[:, None]
+    j = torch.arange(k_len)[None, :]
+    return (j > p) | (j <= p - window)
+
+
+SLIDING_CASES = [(9, 9, 3), (12, 12, 1), (1, 10, 4), (3, 11, 4), (6, 6, 6), (5, 8, 20)]
+
+
+@pytest.mark.parametrize("q_len, k_len, window", SLIDING_CASES)
+def test_sliding_window_causal_mask_equals_index_arithmetic(q_len, k_len, window):
+    mask = sliding_window_causal_mask(q_len, k_len, window=window)
+    assert mask.dtype == torch.bool and mask.shape == (q_len, k_len)
+    assert torch.equal(mask, _sliding_by_index(q_len, k_len, window))
+    # every query sees min(window, its position + 1) keys, the newest one itself
+    seen = (~mask).sum(-1)
+    positions = torch.arange(k_len - q_len, k_len)
+    assert torch.equal(seen, torch.clamp(positions + 1, max=window))
+    assert not mask[:, -q_len:].diagonal().any()
+
+
+@pytest.mark.parametrize("q_len, k_len, window", SLIDING_CASES)
+def test_sliding_window_causal_mask_equals_transformers(q_len, k_len, window):
+    """transformers' own mask, ``sdpa_mask`` with ``sliding_window_causal_mask_function``, reads
+    True = attend: ours is its negation, with a cache (``q_offset``) too."""
+    from transformers import masking_utils as masking
+
+    allowed = masking.sdpa_mask(
+        batch_size=1,
+        q_length=q_len,
+        kv_length=k_len,
+        q_offset=k_len - q_len,
+        mask_function=masking.sliding_window_causal_mask_function(window),
+        allow_is_causal_skip=False,
+    )
+    assert torch.equal(sliding_window_causal_mask(q_len, k_len, window=window), ~allowed[0, 0])
+
+
+def test_sliding_window_causal_mask_is_causal_when_the_window_is_long_enough():
+    assert torch.equal(sliding_window_causal_mask(7, window=7), causal_mask(7))
+    assert torch.equal(sliding_window_causal_mask(3, 7, window=100), causal_mask(3, 7))
+    assert torch.equal(sliding_window_causal_mask(5, window=1), ~torch.eye(5, dtype=torch.bool))
+
+
+def test_sliding_window_causal_mask_with_a_cache_is_the_bottom_rows():
+    full = sliding_window_causal_mask(10, window=3)
+    for q_len in (1, 4, 10):
+        assert torch.equal(sliding_window_causal_mask(q_len, 10, window=3), full[-q_len:])
+
+
+def test_sliding_window_causal_mask_refuses_bad_windows():
+    with pytest.raises(ValueError, match="window must be at least 1, got 0"):
+        sliding_window_causal_mask(4, window=0)
+    with pytest.raises(TypeError, match="window must be an int"):
+        sliding_window_causal_mask(4, window=2.0)
+    with pytest.raises(ValueError, match="k_len=2 must be at least q_len=3"):
+        sliding_window_causal_mask(3, 2, window=2)
 
 
 def test_merge_masks_shapes_broadcast_to_b_h_l_s():

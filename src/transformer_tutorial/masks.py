@@ -1,7 +1,8 @@
 """Chapter 6: masks — what attention may look at.
 
 Polarity follows PyTorch's modules: True = blocked. ``padding_mask`` is True at padding,
-``causal_mask`` is True above the diagonal (the future). ``merge_masks`` is the one function that
+``causal_mask`` is True above the diagonal (the future), ``sliding_window_causal_mask``
+(chapter 16) also below the window (the distant past). ``merge_masks`` is the one function that
 combines them into the ``(B, 1, L, S)`` form attention consumes. Remember that
 ``torch.nn.functional.scaled_dot_product_attention`` reads a bool mask the other way round
 (True = attend): pass it ``~blocked``.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from transformer_tutorial.checks import check_int
 
 
 def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
@@ -31,6 +34,28 @@ def causal_mask(
     if k_len < q_len:
         raise ValueError(f"k_len={k_len} must be at least q_len={q_len}")
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu(k_len - q_len + 1)
+
+
+def sliding_window_causal_mask(
+    q_len: int,
+    k_len: int | None = None,
+    *,
+    window: int,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """``(q_len, k_len)`` bool, True where query ``i`` must not see key ``j``: the future, and
+    every key ``window`` or more positions back (chapter 16).
+
+    Each query sees at most ``window`` keys, itself included: the query at position ``p`` sees
+    keys ``p - window < j <= p`` (the convention of ``transformers``' ``sliding_window``).
+    Aligned bottom-right like :func:`causal_mask`: with ``k_len > q_len`` the queries are the
+    last ``q_len`` positions of ``k_len``.
+    """
+    check_int("window", window, at_least=1)
+    k_len = q_len if k_len is None else k_len
+    future = causal_mask(q_len, k_len, device=device)  # checks k_len >= q_len
+    too_old = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    return future | too_old.tril(k_len - q_len - window)  # j <= p - window, p = k_len - q_len + i
 
 
 def _check_bool(name: str, mask: Tensor) -> None:
