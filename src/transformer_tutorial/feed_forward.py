@@ -73,8 +73,8 @@ def build_feed_forward(
     kind: str, d_model: int, d_ff: int, *, dropout: float = 0.0
 ) -> FeedForward | SwiGLU:
     """The feed-forward layer: an activation of ``layers.ACTIVATIONS`` (``"relu"``, ``"gelu"``:
-    the paper's layer, with biases) or ``"swiglu"`` (no biases). ``d_ff`` is the hidden width either way: a
-    SwiGLU layer of ``d_ff`` = 8/3 · D has the weights of a ReLU layer of 4 · D."""
+    the paper's layer, with biases) or ``"swiglu"`` (no biases). ``d_ff`` is the hidden width
+    either way: a SwiGLU layer of ``d_ff`` = 8/3 · D has the weights of a ReLU layer of 4 · D."""
     check_choice("kind", kind, FEED_FORWARDS)
     check_int("d_model", d_model, at_least=1)
     check_int("d_ff", d_ff, at_least=1)
