@@ -1,0 +1,279 @@
+"""Chapter 16: attention that scales — grouped-query attention, QK-norm, sliding windows and the
+KV cache of a decoder-only model.
+
+Shapes: input ``(B, L, D)``; queries ``(B, H, L, Dh)``; keys and values ``(B, Hkv, S, Dh)`` with
+``Hkv`` (``n_kv_heads``) dividing ``H``: each key/value head serves ``H // Hkv`` query heads.
+``Hkv = H`` is the paper's multi-head attention, ``Hkv = 1`` multi-query attention. Masks are bool
+with True = blocked (see :mod:`transformer_tutorial.masks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from transformer_tutorial.checks import check_bool, check_int, check_number, check_optional_int
+from transformer_tutorial.masks import causal_mask, merge_masks, sliding_window_causal_mask
+from transformer_tutorial.norms import RMSNorm
+
+# A position scheme: (queries (B, H, L, Dh), keys (B, Hkv, L, Dh), position ids (B, L)) → the
+# queries and keys it has encoded the positions into (rotary embeddings, chapter 15).
+PositionHook = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """Repeat each key/value head ``n_rep`` times, next to each other: ``(B, Hkv, S, Dh)`` →
+    ``(B, Hkv * n_rep, S, Dh)``, head ``h`` of the result being head ``h // n_rep`` of ``x``.
+
+    Equal to ``torch.repeat_interleave(x, n_rep, dim=1)`` and to ``transformers``' ``repeat_kv``.
+    """
+    check_int("n_rep", n_rep, at_least=1)
+    B, Hkv, S, Dh = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, None].expand(B, Hkv, n_rep, S, Dh).reshape(B, Hkv * n_rep, S, Dh)
+
+
+def kv_cache_bytes(
+    *,
+    n_layers: int,
+    batch_size: int,
+    length: int,
+    n_kv_heads: int,
+    d_head: int,
+    dtype: torch.dtype,
+) -> int:
+    """Bytes of a full KV cache: 2 (keys and values) · layers · batch · length · kv heads ·
+    head width · bytes per number."""
+    for name, value in (("n_layers", n_layers), ("batch_size", batch_size), ("length", length)):
+        check_int(name, value, at_least=0)
+    check_int("n_kv_heads", n_kv_heads, at_least=1)
+    check_int("d_head", d_head, at_least=1)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    return 2 * n_layers * batch_size * length * n_kv_heads * d_head * dtype.itemsize
+
+
+class GroupedKVCache:
+    """One layer's keys and values of the positions decoded so far, ``(B, Hkv, S, Dh)`` each.
+
+    ``GroupedKVCache()`` grows by concatenation at every step; :meth:`preallocate` allocates its
+    buffers once and writes each step into them. ``seen`` counts every position the cache has
+    been given (the next position id); with a sliding window it holds fewer, only those a
+    later query can still see (:meth:`update`'s ``keep``).
+    """
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.seen = 0  # positions given so far
+        self.held = 0  # positions held now (the last ``held`` of them)
+        self.preallocated = False
+
+    @classmethod
+    def preallocate(
+        cls,
+        batch_size: int,
+        n_kv_heads: int,
+        max_len: int,
+        d_head: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> GroupedKVCache:
+        """A cache whose buffers hold ``max_len`` positions, allocated now."""
+        for name, value in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads)):
+            check_int(name, value, at_least=1)
+        check_int("max_len", max_len, at_least=1)
+        check_int("d_head", d_head, at_least=1)
+        cache = cls()
+        shape = (batch_size, n_kv_heads, max_len, d_head)
+        cache.k = torch.zeros(shape, dtype=dtype, device=device)
+        cache.v = torch.zeros(shape, dtype=dtype, device=device)
+        cache.preallocated = True
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache's tensors take now (a preallocated cache: all of its buffers)."""
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+    def update(self, k: Tensor, v: Tensor, *, keep: int | None = None) -> tuple[Tensor, Tensor]:
+        """Add the new positions' keys and values ``(B, Hkv, L, Dh)``; return every held
+        position's, new ones last, ``(B, Hkv, S, Dh)``.
+
+        ``keep``: a later query needs only this many past positions (``window - 1``): the
+        growing cache then drops older ones, and a preallocated one, when full, moves the last
+        ``keep`` to the front of its buffers instead of failing.
+        """
+        check_optional_int("keep", keep, at_least=0)
+        n = k.size(2)
+        if not self.preallocated:
+            k_all = k if self.k is None else torch.cat([self.k, k], dim=2)
+            v_all = v if self.v is None else torch.cat([self.v, v], dim=2)
+            start = 0 if keep is None else max(0, k_all.size(2) - keep)
+            self.k, self.v = k_all[:, :, start:], v_all[:, :, start:]
+            self.seen, self.held = self.seen + n, self.k.size(2)
+            return k_all, v_all
+        capacity = self.k.size(2)
+        if self.held + n > capacity:
+            if keep is None or keep + n > capacity:
+                raise ValueError(
+                    f"the preallocated cache holds {capacity} positions: it has {self.held} "
+                    f"and was given {n} more; preallocate a larger max_len"
+                )
+            old = slice(self.held - keep, self.held)
+            self.k[:, :, :keep], self.v[:, :, :keep] = (
+                self.k[:, :, old].clone(),
+                self.v[:, :, old].clone(),
+            )
+            self.held = keep
+        self.k[:, :, self.held : self.held + n], self.v[:, :, self.held : self.held + n] = k, v
+        self.seen, self.held = self.seen + n, self.held + n
+        return self.k[:, :, : self.held], self.v[:, :, : self.held]
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal self-attention of a decoder-only model with ``n_kv_heads`` key/value heads shared
+    by groups of ``n_heads // n_kv_heads`` query heads (Ainslie et al., 2023).
+
+    Args:
+        d_model: D.
+        n_heads: H, the query heads.
+        n_kv_heads: Hkv, dividing H (default H: multi-head attention; 1: multi-query).
+        d_head: Dh, the width of a head (default ``D // H``; Qwen3 chooses it apart from D).
+        bias: whether the four projections have biases (Llama and Qwen3: no).
+        qk_norm: RMS-normalise each query and key head with a learned weight, before the
+            position scheme, as Qwen3 does; ``norm_eps`` is its epsilon.
+        window: each query sees at most this many keys, itself included (a sliding window);
+            None sees every earlier position.
+        positions: a :data:`PositionHook` applied to queries and keys with their position ids
+            (rotary embeddings); None leaves them as they are.
+        dropout: dropout on the attention weights while training.
+
+    Shapes:
+        x ``(B, L, D)`` → ``(B, L, D)``; ``position_ids`` ``(B, L)`` (default: the positions after
+        those the cache has seen); ``key_padding_mask`` ``(B, seen + L)``, True at padding.
+
+    With a :class:`GroupedKVCache` the call decodes ``L`` new positions after those the cache
+    holds, whose queries are the *last* ``L`` of the keys: the causal mask is aligned
+    bottom-right (:func:`~transformer_tutorial.masks.causal_mask` with ``k_len > q_len``).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
+        d_head: int | None = None,
+        bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        window: int | None = None,
+        positions: PositionHook | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        check_int("d_model", d_model, at_least=1)
+        check_int("n_heads", n_heads, at_least=1)
+        check_int("n_kv_heads", n_kv_heads, at_least=1)
+        check_optional_int("d_head", d_head, at_least=1)
+        check_optional_int("window", window, at_least=1)
+        check_bool("bias", bias)
+        check_bool("qk_norm", qk_norm)
+        check_number("norm_eps", norm_eps, low=0.0, low_open=True)
+        check_number("dropout", dropout, low=0.0, high=1.0)
+        if d_head is None and d_model % n_heads:
+            raise ValueError(
+                f"d_model={d_model} must be divisible by n_heads={n_heads} (or pass d_head): "
+                f"each head gets d_model // n_heads dimensions"
+            )
+        if n_heads % n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}: each key/value head "
+                f"serves n_heads // n_kv_heads query heads. Choose one of "
+                f"{[h for h in range(1, n_heads + 1) if n_heads % h == 0]}"
+            )
+        if positions is not None and not callable(positions):
+            raise TypeError(
+                f"positions must be callable (q, k, position_ids) or None, got {positions!r}"
+            )
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.d_head = d_model // n_heads if d_head is None else d_head
+        self.window, self.positions, self.dropout = window, positions, dropout
+        self.q_proj = nn.Linear(d_model, n_heads * self.d_head, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
+        self.out_proj = nn.Linear(n_heads * self.d_head, d_model, bias=bias)
+        self.q_norm = RMSNorm(self.d_head, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.d_head, norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        cache: GroupedKVCache | None = None,
+    ) -> Tensor:
+        """``x`` ``(B, L, D)`` → ``(B, L, D)``; with ``cache``, after the positions it holds."""
+        if x.dim() != 3 or x.size(-1) != self.d_model:
+            raise ValueError(f"x must be (B, L, D={self.d_model}), got {tuple(x.shape)}")
+        B, L, _ = x.shape
+        seen = 0 if cache is None else cache.seen
+        # 1) project: H query heads, Hkv key/value heads, (B, L, heads, Dh)
+        q = self.q_proj(x).view(B, L, self.n_heads, self.d_head)
+        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.d_head)
+        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.d_head).transpose(1, 2)
+        if self.q_norm is not None:  # 2) QK-norm: each head's vector, before the positions
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, L, Dh), (B, Hkv, L, Dh)
+        if self.positions is not None:  # 3) positions, e.g. rotary
+            if position_ids is None:
+                position_ids = torch.arange(seen, seen + L, device=x.device).expand(B, L)
+            q, k = self.positions(q, k, position_ids)
+        if cache is not None:  # 4) cache: every held position's keys, (B, Hkv, S, Dh)
+            keep = None if self.window is None else self.window - 1
+            k, v = cache.update(k, v, keep=keep)
+        allowed = ~self._blocked(B, L, k.size(2), seen, key_padding_mask)  # F.sdpa: True = attend
+        out = F.scaled_dot_product_attention(  # 5) attend, each K/V head serving its group
+            q,
+            k,
+            v,
+            attn_mask=allowed,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        out = out.transpose(1, 2).reshape(B, L, self.n_heads * self.d_head)  # 6) concat heads
+        return self.out_proj(out)
+
+    def _blocked(
+        self, B: int, L: int, S: int, seen: int, key_padding_mask: Tensor | None
+    ) -> Tensor:
+        """True = blocked, ``(B or 1, 1, L, S)``: the future, keys out of the window, padding."""
+        if self.window is None:
+            attn_mask = causal_mask(L, S, device=self._device())
+        else:
+            attn_mask = sliding_window_causal_mask(L, S, window=self.window, device=self._device())
+        if key_padding_mask is not None:
+            if key_padding_mask.dim() != 2 or key_padding_mask.shape != (B, seen + L):
+                raise ValueError(
+                    f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected "
+                    f"(B, seen + L) = {(B, seen + L)}: every position so far, True at padding"
+                )
+            key_padding_mask = key_padding_mask[:, seen + L - S :]  # the positions held
+        return merge_masks(attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S)
+
+    def _device(self) -> torch.device:
+        return self.q_proj.weight.device
+
+    def extra_repr(self) -> str:
+        return (
+            f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, "
+            f"window={self.window}"
+        )
