@@ -9,6 +9,7 @@ paper's post-norm, ``x = norm(x + sublayer(x))``; ``norm_first=True`` is pre-nor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,24 +57,32 @@ class FeedForward(nn.Module):
         d_model: D, input and output width.
         d_ff: inner width (2048 in the paper's base model).
         dropout: dropout after the activation.
-        activation: ``"relu"`` (the paper) or ``"gelu"``.
+        activation: ``"relu"`` (the paper), ``"gelu"``, or a function of one tensor (as
+            ``nn.TransformerEncoderLayer`` takes).
+        bias: whether the two linear layers have biases.
 
     Shapes:
         ``(B, L, D)`` → ``(B, L, D)``, each position independently.
     """
 
     def __init__(
-        self, d_model: int, d_ff: int, dropout: float = 0.0, activation: str = "relu"
+        self,
+        d_model: int,
+        d_ff: int,
+        dropout: float = 0.0,
+        activation: str | Callable[[Tensor], Tensor] = "relu",
+        *,
+        bias: bool = True,
     ) -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
+        if not callable(activation) and activation not in ACTIVATIONS:
             raise ValueError(
                 f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
             )
-        self.linear1 = nn.Linear(d_model, d_ff)
-        self.activation = ACTIVATIONS[activation]
+        self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.activation = activation if callable(activation) else ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
-        self.linear2 = nn.Linear(d_ff, d_model)
+        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear2(self.dropout(self.activation(self.linear1(x))))

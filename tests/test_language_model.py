@@ -1,0 +1,220 @@
+"""language_model: the decoder-only layer equals PyTorch's encoder layer under a causal mask,
+the model is causal, cached steps equal the whole sequence, right padding changes nothing, the
+next-token loss is the shifted cross-entropy, a tiny model overfits, and bad configs are refused.
+(Equality with GPT-2: test_hf_weights.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import raises, to_device
+from transformer_tutorial.copy_weights import copy_encoder_layer
+from transformer_tutorial.embeddings import SinusoidalPositionalEncoding, TokenEmbedding
+from transformer_tutorial.language_model import (
+    DecoderOnlyLayer,
+    LanguageModel,
+    LMConfig,
+    next_token_loss,
+)
+from transformer_tutorial.layers import FeedForward
+from transformer_tutorial.masks import causal_mask
+
+B, T, V, D, H, D_FF = 3, 9, 23, 16, 4, 32
+ATOL = 1e-5
+
+
+def tiny(**changes) -> LMConfig:
+    sizes = dict(vocab_size=V, d_model=D, n_heads=H, n_layers=2, d_ff=D_FF, max_len=12)
+    return LMConfig(**(sizes | dict(dropout=0.0) | changes))
+
+
+def model(seed: int = 0, **changes) -> LanguageModel:
+    torch.manual_seed(seed)
+    return LanguageModel(tiny(**changes)).eval()
+
+
+def ids(seed: int = 1, shape: tuple[int, int] = (B, T)) -> torch.Tensor:
+    return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_layer_equals_pytorch_encoder_layer_with_a_causal_mask(norm_first, activation, device):
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(
+        D, H, D_FF, 0.0, activation, batch_first=True, norm_first=norm_first
+    ).eval()
+    ours = DecoderOnlyLayer(tiny(norm_first=norm_first, activation=activation)).eval()
+    copy_encoder_layer(ours, ref)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(2))
+    ours, ref, x = to_device((ours, ref, x), device)
+    with torch.no_grad():
+        expected = ref(x, src_mask=causal_mask(T, device=device), is_causal=True)
+        got, kv = ours(x)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
+    assert kv.k.shape == kv.v.shape == (B, H, T, D // H)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"norm_first": False}, {"positions": "sinusoidal", "scale_embeddings": True}],
+    ids=["gpt2", "post-norm", "paper-positions"],
+)
+def test_logits_do_not_depend_on_later_tokens(changes):
+    lm = model(**changes)
+    a = ids()
+    b = a.clone()
+    b[:, 5:] = (b[:, 5:] + 1) % V  # change the future of position 4
+    with torch.no_grad():
+        la, lb = lm(a), lm(b)
+    torch.testing.assert_close(la[:, :5], lb[:, :5], atol=0, rtol=0)
+    assert not torch.allclose(la[:, 5:], lb[:, 5:])
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
+def test_cached_steps_equal_the_whole_sequence(norm_first, positions):
+    lm = model(norm_first=norm_first, positions=positions)
+    x = ids()
+    with torch.no_grad():
+        whole = lm(x)
+        first, cache = lm.step(x[:, :4])  # a prompt of 4, then 2, then one at a time
+        second, cache = lm.step(x[:, 4:6], cache)
+        rest = []
+        for t in range(6, T):
+            logits, cache = lm.step(x[:, t : t + 1], cache)
+            rest.append(logits)
+    stepped = torch.cat([first, second, *rest], dim=1)
+    torch.testing.assert_close(stepped, whole, atol=ATOL, rtol=ATOL)
+    assert cache.length == T and cache.layers[0].k.shape == (B, H, T, D // H)
+
+
+def test_right_padding_changes_no_real_position():
+    lm = model()
+    short = ids(shape=(1, 5))
+    padded = torch.cat([short, torch.zeros(1, 4, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        torch.testing.assert_close(lm(padded)[:, :5], lm(short), atol=ATOL, rtol=ATOL)
+
+
+def test_paper_front_end_is_chapter_one_and_two():
+    """scale_embeddings + sinusoidal positions: the embeddings of chapters 1 and 2."""
+    lm = model(positions="sinusoidal", scale_embeddings=True)
+    token = TokenEmbedding(V, D)
+    token.embedding.weight.data.copy_(lm.embed.weight)
+    x = ids()
+    expected = SinusoidalPositionalEncoding(D, 12)(token(x))
+    got = lm.positions(lm.embed(x) * lm.embed_scale)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
+
+
+def test_feed_forward_takes_gpt2_tanh_gelu_and_no_bias():
+    ff = FeedForward(D, D_FF, activation=lambda x: F.gelu(x, approximate="tanh"), bias=False)
+    assert ff.linear1.bias is None and ff.linear2.bias is None
+    x = torch.randn(B, T, D)
+    expected = ff.linear2.weight @ F.gelu(ff.linear1.weight @ x[..., None], approximate="tanh")
+    torch.testing.assert_close(ff(x), expected.squeeze(-1), atol=ATOL, rtol=ATOL)
+    lm = model(bias=False, activation="gelu_tanh")
+    biases = [n for n, _ in lm.named_parameters() if n.endswith("bias")]
+    assert biases and all("norm" in n for n in biases), biases  # the norms keep theirs
+
+
+def test_tied_output_layer_is_the_embedding_and_counted_once():
+    tied, untied = model(), model(tie_embeddings=False)
+    assert tied.lm_head.weight is tied.embed.weight
+    assert untied.lm_head.weight is not untied.embed.weight
+    assert untied.num_parameters() - tied.num_parameters() == V * D
+
+
+def test_initialisation_scales_the_residual_projections_down():
+    lm = LanguageModel(tiny(d_model=64, d_ff=256, n_layers=8, vocab_size=500))
+    out_std = torch.cat([layer.self_attn.out_proj.weight.flatten() for layer in lm.layers]).std()
+    q_std = torch.cat([layer.self_attn.q_proj.weight.flatten() for layer in lm.layers]).std()
+    assert math.isclose(q_std.item(), 0.02, rel_tol=0.05)
+    assert math.isclose(out_std.item(), 0.02 / math.sqrt(16), rel_tol=0.05)
+    assert all(layer.norm1.weight.eq(1).all() for layer in lm.layers)
+
+
+def test_next_token_loss_is_shifted_cross_entropy_ignoring_padding():
+    logits = torch.randn(B, T, V, generator=torch.Generator().manual_seed(3))
+    x = ids()
+    x[0, 6:] = 0
+    by_hand = [
+        -logits[b, t].log_softmax(-1)[x[b, t + 1]]
+        for b in range(B)
+        for t in range(T - 1)
+        if x[b, t + 1] != 0
+    ]
+    got = next_token_loss(logits, x, ignore_index=0)
+    torch.testing.assert_close(got, torch.stack(by_hand).mean(), atol=ATOL, rtol=ATOL)
+    assert not torch.isclose(next_token_loss(logits, x), got)
+
+
+def test_a_tiny_model_learns_a_sentence_by_heart():
+    torch.manual_seed(0)
+    lm = LanguageModel(tiny(dropout=0.1))
+    sentence = ids(shape=(1, 12)).expand(4, -1)
+    start = next_token_loss(lm(sentence), sentence).item()
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-2)
+    for _ in range(60):
+        loss = next_token_loss(lm(sentence), sentence)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    lm.eval()
+    with torch.no_grad():
+        end = next_token_loss(lm(sentence), sentence).item()
+    assert start > 0.9 * math.log(V) and end < 0.05, (start, end)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "phrase"),
+    [
+        ({"d_model": 18}, ValueError, "d_model=18 must be divisible by n_heads=4"),
+        ({"n_layers": 0}, ValueError, "n_layers must be at least 1"),
+        ({"dropout": 1.0}, ValueError, "dropout must be in [0.0, 1.0)"),
+        ({"activation": "swish"}, ValueError, "activation must be one of"),
+        ({"norm": "rms"}, ValueError, "norm must be one of ['layer']"),
+        ({"positions": "rope"}, ValueError, "positions must be one of ['learned', 'sinusoidal']"),
+        ({"attention": "gqa"}, ValueError, "attention must be one of ['mha']"),
+        ({"bias": 1}, TypeError, "bias must be True or False"),
+        ({"d_model": 15, "n_heads": 3, "positions": "sinusoidal"}, ValueError, "must be even"),
+    ],
+)
+def test_bad_configs_are_refused(changes, error, phrase):
+    raises(lambda: tiny(**changes), error, phrase)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"),
+    [
+        (lambda lm: lm(torch.zeros(2, 13, dtype=torch.long)), ValueError, "exceed max_len=12"),
+        (lambda lm: lm(torch.full((1, 3), V)), ValueError, f"valid ids are 0 to {V - 1}"),
+        (lambda lm: lm(torch.zeros(1, 3)), ValueError, "must be integer token ids"),
+        (lambda lm: lm(torch.zeros(3, dtype=torch.long)), ValueError, "of shape (B, T)"),
+        (
+            lambda lm: lm.step(
+                torch.zeros(1, 3, dtype=torch.long), lm.step(ids(shape=(1, 10)))[1]
+            ),
+            ValueError,
+            "10 cached + 3 new positions exceed max_len=12",
+        ),
+        (
+            lambda lm: next_token_loss(torch.zeros(2, 3, V), torch.zeros(2, 4, dtype=torch.long)),
+            ValueError,
+            "logits must be (B, T, V)",
+        ),
+        (
+            lambda lm: next_token_loss(torch.zeros(2, 1, V), torch.zeros(2, 1, dtype=torch.long)),
+            ValueError,
+            "at least 2 positions",
+        ),
+    ],
+)
+def test_bad_inputs_are_refused(call, error, phrase):
+    raises(lambda: call(model()), error, phrase)
