@@ -20,6 +20,7 @@ from transformer_tutorial.decode import (
     bleu,
     greedy_decode,
     length_penalty,
+    looping,
     strip_eos,
     translate_sentences,
 )
@@ -228,6 +229,30 @@ def test_beam_search_returns_eos_then_padding_and_consistent_scores():
 def test_strip_eos():
     assert strip_eos([5, 6, EOS, PAD]) == [5, 6]
     assert strip_eos([5, 6]) == [5, 6]
+
+
+@pytest.mark.parametrize(
+    ("text", "loops"),
+    [
+        ("A bodysuit is running across ligigigigigigigigigig on a white fence.", True),  # "ig"
+        ("A dog dog dog runs.", True),
+        ("A Dog, dog; DOG runs.", True),  # a word three times, whatever the case and marks
+        ("Two men on a tononononon.", True),  # "on" four times
+        ("Aaaah, a dog.", True),  # one letter four times
+        ("A man in an orange hat is working on something.", False),
+        ("A dog runs and a dog jumps, dog and dog.", False),  # never three in a row
+        ("A dog dog runs.", False),  # twice is not a loop
+        ("Two men on a tononon.", False),  # "on" three times
+        ("A sign reads 000 and Mississippi.", False),
+        ("", False),
+    ],
+)
+def test_looping_flags_repeated_words_and_repeated_short_pieces(text, loops):
+    assert looping(text) is loops
+
+
+def test_looping_refuses_a_list():
+    raises(lambda: looping(["A dog dog dog."]), TypeError, "text must be a str, got list")
 
 
 def test_bleu_gives_cased_lowercased_and_signature():

@@ -1,4 +1,5 @@
-"""Chapter 11: decoding — greedy search, beam search, translating text, and BLEU.
+"""Chapter 11: decoding — greedy search, beam search, translating text, and BLEU (and chapter
+10's test for translations that loop).
 
 Every decoding function is pure: batched, under ``torch.no_grad()``, and keeps no state on the
 model. Call ``model.eval()`` first (or use :func:`translate`, which does it for you).
@@ -9,6 +10,7 @@ its first ``<eos>`` and is padded after it. The leading ``<bos>`` is not returne
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +28,8 @@ from transformer_tutorial.model import DecoderCache
 BEAM_ALPHA = 0.6
 # By default a translation may be this many tokens longer than its source.
 EXTRA_DECODE_TOKENS = 50
+# A piece of one to four letters four times in a row: "ligigigig", "ooooo".
+REPEATED_PIECE = re.compile(r"(\w{1,4})\1{3}", re.IGNORECASE)
 
 
 @torch.no_grad()
@@ -268,6 +272,19 @@ def translate_sentences(
     finally:
         model.train(was_training)
     return tokenizer.decode_batch(out, skip_special_tokens=True)
+
+
+def looping(text: str) -> bool:
+    """Whether ``text`` loops the way an undertrained decoder does: one word three times in a
+    row (``"a dog dog dog"``, in any case), or a piece of one to four letters four times in a
+    row (``"ligigigig"``, ``"ooooo"``). No English sentence of Multi30k does either."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    words = re.findall(r"\w+", text.lower())
+    return (
+        any(a == b == c for a, b, c in zip(words, words[1:], words[2:], strict=False))
+        or REPEATED_PIECE.search(text) is not None
+    )
 
 
 @dataclass(frozen=True)
