@@ -1,5 +1,5 @@
-"""Chapter 10, what training optimises: label smoothing by hand == PyTorch's, the fused training
-loss == the hand-written one, the warm-up schedule, and Adam with the paper's settings."""
+"""Chapter 10, what training optimises: label smoothing by hand == PyTorch's, the training loss
+== the hand-written one and no leaner, the warm-up schedule, and Adam with the paper's settings."""
 
 from __future__ import annotations
 
@@ -50,6 +50,33 @@ def test_translation_loss_is_label_smoothing_over_b_t_and_sums_on_request():
     torch.testing.assert_close(total, by_hand * (target != PAD).sum())
     half = translation_loss(logits.bfloat16(), target, smoothing=0.1, ignore_index=PAD)
     assert half.dtype == torch.float32  # computed in float32 even under mixed precision
+
+
+def _saved_for_backward(loss_fn) -> int:
+    """Bytes of the distinct tensors autograd keeps for the backward pass of ``loss_fn()``."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn()
+    return sum(storages.values())
+
+
+def test_translation_loss_keeps_the_same_log_probabilities_for_backward_as_ours():
+    logits, target = _logits_and_target(shape=(8, 50), vocab=1000)  # (B, T, V)
+    log_probs = logits.numel() * logits.element_size()  # one (N, V) float32 tensor
+    pytorch = _saved_for_backward(
+        lambda: translation_loss(logits, target, smoothing=0.1, ignore_index=PAD)
+    )
+    ours = _saved_for_backward(
+        lambda: label_smoothing_loss(
+            logits.flatten(0, 1), target.flatten(), smoothing=0.1, ignore_index=PAD
+        )
+    )
+    assert log_probs <= pytorch < 1.05 * log_probs and log_probs <= ours < 1.05 * log_probs
 
 
 def test_schedule_warms_up_linearly_then_decays_as_inverse_sqrt():

@@ -49,9 +49,13 @@ def paper_peak_lr(d_model: int, warmup: int, factor: float = 1.0) -> float:
 def translation_loss(
     logits: Tensor, target: Tensor, *, smoothing: float, ignore_index: int, reduction: str = "mean"
 ) -> Tensor:
-    """The training criterion: :func:`label_smoothing_loss`, computed by PyTorch's fused
-    ``F.cross_entropy`` (the same number, one kernel, less memory), in float32 even under
-    mixed precision.
+    """The training criterion: :func:`label_smoothing_loss`, computed by PyTorch's
+    ``F.cross_entropy`` in float32 even under mixed precision.
+
+    The same number, and no cheaper: with label smoothing PyTorch composes it from
+    ``log_softmax``, ``nll_loss`` and a sum over the vocabulary, as ours does, and keeps the
+    same ``(N, V)`` log-probabilities for the backward pass. Training uses it because it is
+    PyTorch's own, tested implementation, which ours is checked against.
 
     Shapes:
         logits ``(B, T, V)``, target ``(B, T)`` → a scalar (``reduction="mean"`` over counted
