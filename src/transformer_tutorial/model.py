@@ -245,9 +245,9 @@ class Transformer(nn.Module):
         """Initialise as the paper's reference code (tensor2tensor) does.
 
         Every layer matrix is Xavier-uniform and every bias zero (LayerNorm gains stay 1); the
-        embedding table is N(0, 1/D), so that after the ×√D scale each token vector has the size
-        of its positional encoding, while tied output logits still start near zero. Padding rows
-        are zeroed again after the draw.
+        embedding table is N(0, 1/D), so that after the ×√D scale each token vector has norm
+        ≈ √D, √2 times its positional encoding's √(D/2) whatever the vocabulary size, while tied
+        output logits still start near zero. Padding rows are zeroed again after the draw.
         """
         embeddings = {self.src_embed.weight, self.tgt_embed.weight}
         for name, p in self.named_parameters():
