@@ -16,8 +16,9 @@ class TokenEmbedding(nn.Module):
     """A lookup table of ``vocab_size`` vectors of width ``d_model``, scaled by √d_model.
 
     The scale (section 3.4 of the paper) lifts embeddings initialised with standard deviation
-    ``d_model ** -0.5`` to entries of size about 1, like those of the positional encodings added
-    to them (chapter 1 measures this).
+    ``d_model ** -0.5`` to entries of size about 1, the scale of the positional encodings added
+    to them (whose entries have RMS 1/√2: the token vector's norm is √2 times theirs; chapter 1
+    measures both).
 
     Args:
         vocab_size: V, the number of token ids.
