@@ -19,8 +19,9 @@ class RMSNorm(nn.Module):
     subtracted) and without the bias. As ``transformers``' ``LlamaRMSNorm``, the statistics are
     computed in float32 whatever the input's dtype, the normalised ``x`` is cast back to that
     dtype, and only then multiplied by ``weight`` (so a float32 ``weight`` on a bfloat16 input
-    gives a float32 output, as in Llama). ``torch.nn.RMSNorm`` multiplies by the weight before
-    it rounds: in 16-bit the two differ by one rounding step.
+    gives a float32 output, as in Llama). ``torch.nn.RMSNorm`` (current releases) and Gemma
+    multiply by the weight before they round: in 16-bit the two orders differ by one rounding
+    step.
 
     Args:
         d_model: D, the number of features normalised together.
