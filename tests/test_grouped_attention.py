@@ -23,6 +23,7 @@ from transformer_tutorial.grouped_attention import (
     repeat_kv,
 )
 from transformer_tutorial.masks import causal_mask
+from transformer_tutorial.rotary import RotaryEmbedding, apply_rotary
 
 D, H, DH = 32, 4, 8
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -57,9 +58,23 @@ def _rotary_hook(config: Qwen3Config):
     return hook
 
 
-def _ours(n_kv_heads: int, window: int | None = None, **kwargs) -> GroupedQueryAttention:
+def _book_rotary_hook():
+    """Chapter 15's rotary embedding (the package's ``rotary``) as a position hook."""
+    rotary = RotaryEmbedding(DH, max_len=64)
+
+    def hook(q, k, position_ids):
+        cos, sin = rotary(q, position_ids)
+        return apply_rotary(q, k, cos, sin)
+
+    return hook
+
+
+def _ours(
+    n_kv_heads: int, window: int | None = None, *, book_rotary: bool = False, **kwargs
+) -> GroupedQueryAttention:
     torch.manual_seed(0)
-    positions = _rotary_hook(_qwen3_config(n_kv_heads, window))
+    config = _qwen3_config(n_kv_heads, window)
+    positions = _book_rotary_hook() if book_rotary else _rotary_hook(config)
     return GroupedQueryAttention(
         D, H, n_kv_heads, window=window, positions=positions, **kwargs
     ).eval()
@@ -114,17 +129,21 @@ def test_grouped_attention_equals_multi_head_attention_on_repeated_kv_weights(n_
     assert n_projected == D * D // n_rep  # 1/n_rep of MHA's key weights
 
 
+@pytest.mark.parametrize("book_rotary", [False, True], ids=["hf-rotary", "book-rotary"])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("n_kv_heads", LAYOUTS)
-def test_qk_norm_attention_equals_qwen3_attention(n_kv_heads, window):
+def test_qk_norm_attention_equals_qwen3_attention(n_kv_heads, window, book_rotary):
     """Qwen3Attention (RMS QK-norm with learned weights before rotary, grouped heads, eager
-    attention under transformers' own sliding-window mask) with our weights copied in."""
+    attention under transformers' own sliding-window mask) with our weights copied in; our
+    position hook is transformers' rotary embedding or the package's (chapter 15)."""
     config = _qwen3_config(n_kv_heads, window)
     theirs = modeling_qwen3.Qwen3Attention(config, layer_idx=0).eval()
     with torch.no_grad():  # weights that are not all one: the norms' order then matters
         theirs.q_norm.weight.uniform_(0.5, 1.5)
         theirs.k_norm.weight.uniform_(0.5, 1.5)
-    ours = _ours(n_kv_heads, window, qk_norm=True, norm_eps=config.rms_norm_eps)
+    ours = _ours(
+        n_kv_heads, window, book_rotary=book_rotary, qk_norm=True, norm_eps=config.rms_norm_eps
+    )
     state = {name.replace("o_proj", "out_proj"): w for name, w in theirs.state_dict().items()}
     ours.load_state_dict(state)
     B, L = 2, 10
