@@ -141,6 +141,14 @@ def test_build_feed_forward_chooses_the_layer(kind):
         torch.testing.assert_close(ff.eval()(x), expected)
 
 
+@pytest.mark.parametrize("kind", ["relu", "swiglu"])
+@pytest.mark.parametrize("bias", [None, True, False])
+def test_build_feed_forward_bias_defaults_to_the_kinds_own(kind, bias):
+    ff = build_feed_forward(kind, 16, 40, bias=bias)
+    has_bias = {p.dim() for p in ff.parameters()} == {1, 2}
+    assert has_bias == (bias if bias is not None else kind != "swiglu")
+
+
 BAD_FEED_FORWARDS = [
     (lambda: build_feed_forward("swish", 8, 16), f"kind must be one of {sorted(FEED_FORWARDS)}"),
     (lambda: build_feed_forward("swiglu", 8, 0), "d_ff must be at least 1, got 0"),
@@ -160,5 +168,6 @@ def test_bad_feed_forward_arguments_are_refused(call, phrase):
     raises(call, ValueError, phrase)
 
 
-def test_swiglu_bias_must_be_a_bool():
+def test_bias_must_be_a_bool():
     raises(lambda: SwiGLU(8, 16, bias=1), TypeError, "bias must be True or False, got 1")
+    raises(lambda: build_feed_forward("relu", 8, 16, bias=0), TypeError, "bias must be True or")

@@ -70,15 +70,18 @@ FEED_FORWARDS = (*ACTIVATIONS, "swiglu")
 
 
 def build_feed_forward(
-    kind: str, d_model: int, d_ff: int, *, dropout: float = 0.0
+    kind: str, d_model: int, d_ff: int, *, dropout: float = 0.0, bias: bool | None = None
 ) -> FeedForward | SwiGLU:
     """The feed-forward layer: an activation of ``layers.ACTIVATIONS`` (``"relu"``, ``"gelu"``:
-    the paper's layer, with biases) or ``"swiglu"`` (no biases). ``d_ff`` is the hidden width
-    either way: a SwiGLU layer of ``d_ff`` = 8/3 · D has the weights of a ReLU layer of 4 · D."""
+    the paper's layer) or ``"swiglu"``. ``d_ff`` is the hidden width either way: a SwiGLU layer
+    of ``d_ff`` = 8/3 · D has the weights of a ReLU layer of 4 · D. ``bias=None`` keeps each
+    kind's own default: biases in the paper's layer, none in SwiGLU (Llama's)."""
     check_choice("kind", kind, FEED_FORWARDS)
     check_int("d_model", d_model, at_least=1)
     check_int("d_ff", d_ff, at_least=1)
     check_number("dropout", dropout, low=0.0, high=1.0, high_open=True)
+    if bias is not None:
+        check_bool("bias", bias)
     if kind == "swiglu":
-        return SwiGLU(d_model, d_ff, dropout=dropout)
-    return FeedForward(d_model, d_ff, dropout, activation=kind)
+        return SwiGLU(d_model, d_ff, dropout=dropout, bias=bool(bias))
+    return FeedForward(d_model, d_ff, dropout, kind, bias=bias is not False)
