@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 # finds. Read by transformer_tutorial.get_device and the tests' `device` fixture.
 DEVICE ?=
 export TRANSFORMER_TUTORIAL_DEVICE := $(DEVICE)
-# TORCH: another torch for `make check-torch TORCH=2.5.1`, installed into its own venv.
+# TORCH: another torch for `make check-torch TORCH=2.6.0`, installed into its own venv.
 TORCH  ?=
 LINTED := src tests scripts bench
 # Two test processes, one torch thread each: the tests assert values, not speed, and their
@@ -66,10 +66,10 @@ check-device: | $(VENV)/.installed
 	$(MAKE) -k unit chapters
 
 # The unit tests and every chapter on another torch, in a venv of its own under /tmp:
-# `make check-torch TORCH=2.5.1` (on Linux pip downloads that torch with its CUDA libraries,
+# `make check-torch TORCH=2.6.0` (on Linux pip downloads that torch with its CUDA libraries,
 # about 5 GB). The chapters' stored outputs are compared as usual.
 check-torch:
-	@test -n "$(TORCH)" || { echo "check-torch needs TORCH=<version>, e.g. TORCH=2.5.1"; exit 2; }
+	@test -n "$(TORCH)" || { echo "check-torch needs TORCH=<version>, e.g. TORCH=2.6.0"; exit 2; }
 	$(MAKE) -k unit chapters VENV=/tmp/venv-torch-$(TORCH)
 
 # Re-run chapters so their stored outputs match the package (after changing code they import).
