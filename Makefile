@@ -56,7 +56,7 @@ chapters: $(VENV)/.installed
 # CPU; writes bench/results/<device>-<torch>.json and .png.
 # On a GPU: make bench BENCH_ARGS="--device cuda".
 bench: | $(VENV)/.installed
-	$(call timed,$(BIN)/python bench/bench.py $(BENCH_ARGS))
+	$(call timed,$(BIN)/python -m bench $(BENCH_ARGS))
 
 # The unit tests and every chapter on one device: `make check-device DEVICE=cuda` on a machine
 # with a GPU (TF32 off for the equality tests). Off the CPU, chapters are checked for errors and

@@ -1,43 +1,53 @@
-"""bench/bench.py (`make bench`): runs end to end on tiny sizes and writes its results; bad
-arguments get one line and exit status 1. Benchmarks are scripts: nothing here asserts speed."""
+"""bench/ (`make bench`, `python -m bench`): runs end to end on tiny sizes and writes its results,
+the MFU column among them; bad arguments get one line and exit status 1; the CPU's peak memory is
+seen in a fresh process. Benchmarks are measurements: nothing here asserts speed."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench" / "bench.py"
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, str(BENCH), *args], capture_output=True, text=True, env=env, cwd=ROOT
-    )
+@pytest.fixture
+def bench(monkeypatch):
+    """The ``bench`` package (a folder of the repository, run as ``python -m bench``)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    import bench
+    import bench.__main__
+    import bench.mfu
+
+    return bench
+
+
+@pytest.fixture
+def keep_threads():
+    """The bench fixes the thread count: give the test process its own back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
-def test_bench_quick_runs_every_section_and_writes_results(tmp_path, tiny_checkpoint):
-    done = _run(
-        "--quick",
-        "--threads=1",
-        "--repeats=1",
-        "--warmup=0",
-        f"--checkpoint={tiny_checkpoint}",
-        f"--out={tmp_path}",
-    )
-    assert done.returncode == 0, done.stderr
-    assert "1 threads (fixed)" in done.stdout
+def test_bench_quick_runs_every_section_and_writes_results(
+    bench, keep_threads, tmp_path, tiny_checkpoint, capsys
+):
+    args = ["--quick", "--threads=1", "--repeats=1", "--warmup=0"]
+    code = bench.__main__.main([*args, f"--checkpoint={tiny_checkpoint}", f"--out={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "1 threads (fixed)" in out
     [json_path] = tmp_path.glob("cpu-*-quick.json")
     assert json_path.with_suffix(".png").stat().st_size > 0
     results = json.loads(json_path.read_text())
     assert results["meta"]["threads"] == 1
+    assert results["meta"]["command"].startswith("python -m bench --quick")
     for kind in ("train_step", "forward"):
         assert [(r["config"], r["length"]) for r in results[kind]] == [("tiny", 8), ("tiny", 16)]
         assert all(r["ratio"] > 0 and r["ours_ms"] > 0 for r in results[kind])
@@ -48,19 +58,89 @@ def test_bench_quick_runs_every_section_and_writes_results(tmp_path, tiny_checkp
     assert [r["L"] for r in results["attention"]] == [64, 128]
     if sys.platform == "linux":  # tiny sizes: measured, but too small to compare
         assert all(r["written_peak_mib"] is not None for r in results["attention"])
+    _check_mfu(results, out)
+
+
+def _check_mfu(results: dict, out: str) -> None:
+    """The training rows carry the counted FLOPs and MFU; the table prints them."""
+    peaks = results["peaks"]
+    assert peaks["matmul"]["dtype"] == "float32" and peaks["matmul"]["flop_per_s"] > 0
+    assert peaks["datasheet_flop_per_s"] is None  # a CPU has no data-sheet entry
+    assert "optimizer step is timed but not counted" in peaks["counted"]
+    for r in results["train_step"]:
+        # The same matrix products on both sides: the same count, to the FLOP.
+        assert r["ours_gflop"] == r["torch_gflop"] > 0
+        for side in ("ours", "torch"):
+            achieved = 1e9 * r[f"{side}_gflop"] / (r[f"{side}_ms"] / 1e3)
+            assert r[f"{side}_mfu"] == pytest.approx(achieved / peaks["matmul"]["flop_per_s"])
+    assert all("ours_mfu" not in r for r in results["forward"])
+    table = out[out.index("throughput ratio ours ÷ nn.Transformer") :].splitlines()
+    assert table[1].split()[:7] == ["config", "L", "ours", "ms", "torch", "ms", "ratio"]
+    assert table[1].split()[7] == "MFU"
+    train_mfu = table[2].split()[6]  # ours/nn.Transformer, in percent
+    assert train_mfu == f"{results['train_step'][0]['ours_mfu']:.1%}/" + (
+        f"{results['train_step'][0]['torch_mfu']:.1%}"
+    )
+
+
+def test_add_mfu_divides_counted_flop_per_second_by_each_peak(bench):
+    row = {"ours_ms": 100.0, "torch_ms": 200.0}
+    peaks = {"matmul": {"flop_per_s": 20e9}, "datasheet_flop_per_s": None}
+    bench.mfu.add_mfu(row, {"ours": 1e9, "torch": 1e9}, peaks)
+    assert row["ours_mfu"] == pytest.approx(0.5) and row["torch_mfu"] == pytest.approx(0.25)
+    assert row["ours_tflop_per_s"] == pytest.approx(0.01) and "ours_mfu_datasheet" not in row
+    bench.mfu.add_mfu(row, {"ours": 1e9, "torch": 1e9}, {**peaks, "datasheet_flop_per_s": 1e11})
+    assert row["ours_mfu_datasheet"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989),
+        ("NVIDIA H100 PCIe", "bf16", 756),
+        ("NVIDIA H100 NVL", "fp32", 60),
+        ("NVIDIA H200", "fp32", 67),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312),
+        ("NVIDIA A100-PCIE-40GB", "fp32", 19.5),
+        ("Tesla T4", "bf16", None),
+    ],
+)
+def test_datasheet_peak_takes_the_variant_before_the_family(bench, name, precision, tflops):
+    peak = bench.mfu.datasheet_peak(name, precision)
+    assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+def test_matmul_peak_times_a_square_product(bench):
+    peak = bench.mfu.matmul_peak(64, torch.float32, 2, torch.device("cpu"))
+    assert peak["size"] == 64 and peak["dtype"] == "float32"
+    assert peak["flop_per_s"] == pytest.approx(2 * 64**3 / peak["best_s"])
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("--threads=0", "--threads must be at least 1, got 0"),
+        ("--warmup=-1", "--warmup must be at least 0, got -1"),
+        ("--peak-tflops=0", "--peak-tflops must be greater than 0, got 0.0"),
+        ("--device=tpu0", "--device 'tpu0' is not a device name; this machine has"),
+    ],
+)
+def test_bench_bad_arguments_exit_1_with_one_line(bench, capsys, arg, message):
+    assert bench.__main__.main([arg]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"bench: {message}") and err.count("\n") == 1
 
 
 PEAK_SCRIPT = """
-import sys, torch
-sys.path.insert(0, "bench")
-import bench
+import torch
+from bench.memory import map_large_allocations, peak_memory
 cpu = torch.device("cpu")
 for mib in (20, 16):  # as the model benchmarks do: glibc raises its threshold, keeps freed memory
     scratch = torch.ones(mib * 2**18); del scratch
-assert bench.map_large_allocations()
+assert map_large_allocations()
 for _ in range(2):  # twice: the second call reuses nothing the first one freed
-    big = bench.peak_memory(lambda: torch.ones(16 * 2**18).sum(), cpu) / 2**20  # 16 MiB
-    small = bench.peak_memory(lambda: torch.ones(1024).sum(), cpu) / 2**20
+    big = peak_memory(lambda: torch.ones(16 * 2**18).sum(), cpu) / 2**20  # 16 MiB
+    small = peak_memory(lambda: torch.ones(1024).sum(), cpu) / 2**20
     print(f"{big:.1f} {small:.1f}")
 """
 
@@ -75,9 +155,3 @@ def test_peak_memory_sees_a_temporary_tensor_after_the_process_freed_larger_ones
     for line in done.stdout.splitlines():
         big, small = map(float, line.split())
         assert 15 <= big <= 20 and small < 2, done.stdout
-
-
-def test_bench_bad_arguments_exit_1_with_one_line():
-    done = _run("--threads=0")
-    assert done.returncode == 1
-    assert done.stderr.strip() == "bench.py: --threads must be at least 1, got 0"

@@ -1,0 +1,32 @@
+"""`make bench`: the book's Transformer against PyTorch's ``nn.Transformer``, side by side, in one
+process.
+
+    python -m bench                    # CPU, 2 threads, under 10 minutes
+    python -m bench --device cuda      # a GPU: bf16 autocast
+    python -m bench --quick            # tiny sizes, seconds: the smoke test
+
+Sections:
+  1. train step (forward, label-smoothed loss, backward, Adam): throughput ours ÷ nn.Transformer,
+     eager, and compiled vs compiled (``torch.compile``, with its compile time), for the models
+     of the ``small`` and ``base`` recipes at source/target lengths 16, 32 and 64; beside it the
+     model FLOPs utilisation (MFU) of each: FLOPs counted by ``FlopCounterMode`` per second,
+     divided by the matrix-multiply peak measured in the same run (on a GPU also by the data
+     sheet's peak);
+  2. inference forward, the same ratio;
+  3. greedy decoding of 16–128 tokens, KV cache ÷ recomputing the prefix every step;
+  4. beam 5 vs greedy, sentences/s on test2016, with a trained checkpoint if one is cached;
+  5. attention alone, written out (the chapter 3 function) vs fused
+     (``F.scaled_dot_product_attention``): time and peak memory as L grows to 2,048.
+
+The models are those of ``transformer_tutorial.configs.CONFIGS``. Both models share one wrapper
+(embeddings, positional encoding, generator), one batch with padding and the same masks. Every
+measurement interleaves the two (a busy machine slows both alike) and reports the median of
+--repeats after --warmup, with the spread (max - min) / median. Writes
+``bench/results/<device>-<torch version>.json`` and a PNG beside it.
+
+Modules: ``cli`` (arguments, settings, the run's description), ``timing`` (interleaved
+medians), ``models`` (the ``nn.Transformer`` wrapper, the batch, the timed steps), one module a
+section (``train_forward``, ``decoding``, ``beam``, ``attention``), ``mfu`` (peaks and
+utilisation), ``memory`` with the fresh-process probe ``memory_probe``, ``report`` (table, plot,
+JSON) and ``__main__``.
+"""

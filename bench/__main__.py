@@ -1,0 +1,65 @@
+"""``python -m bench`` (``make bench``): the sections in turn, then the table, JSON and plot."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from bench.attention import bench_attention
+from bench.beam import bench_beam
+from bench.cli import Settings, check_args, parse_args, run_meta
+from bench.decoding import bench_decoding
+from bench.report import print_table, write_results
+from bench.train_forward import bench_models
+
+# (title, key in the results or None to merge the section's dict, the section)
+SECTIONS = (
+    ("1-2. train step (with MFU) and forward, ours vs nn.Transformer", None, bench_models),
+    ("3. greedy decoding, KV cache vs recompute", "decode", bench_decoding),
+    ("4. beam 5 vs greedy on test2016", "beam", bench_beam),
+    ("5. attention alone, written out vs fused", "attention", bench_attention),
+)
+
+
+def run_sections(settings: Settings, device: torch.device, results: dict) -> None:
+    for title, key, section in SECTIONS:
+        start = time.perf_counter()
+        print(f"\n{title}", flush=True)
+        out = section(settings, device)
+        if key is None:
+            results.update(out)
+        else:
+            results[key] = out
+        print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        device = check_args(args)
+    except ValueError as err:
+        print(f"bench: {err}", file=sys.stderr)
+        return 1
+    torch.set_num_threads(args.threads)
+    settings = Settings.from_args(args, device)
+    meta = run_meta(settings, device, argv)
+    print(
+        f"bench: {device.type} ({meta['device_name']}), torch {torch.__version__}, "
+        f"{meta['threads']} threads (fixed), {meta['precision']}, median of "
+        f"{settings.repeats} interleaved runs",
+        flush=True,
+    )
+    start = time.perf_counter()
+    results: dict = {"meta": meta}
+    run_sections(settings, device, results)
+    meta["total_s"] = round(time.perf_counter() - start, 1)
+    print_table(results)
+    json_path, png_path = write_results(results, args.out, settings.quick)
+    print(f"\n{meta['total_s']:.0f} s in all; wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The command line: its arguments, what a run measures (:class:`Settings`), and the run's
+description written with the results."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import bench
+from transformer_tutorial.checks import check_int
+from transformer_tutorial.configs import RunOptions
+from transformer_tutorial.precision import DTYPES
+from transformer_tutorial.records import cpu_name, git_commit, hardware
+from transformer_tutorial.runtime import check_device
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--device", default="cpu", help="cpu (default) or cuda")
+    add("--threads", type=int, default=2, help="CPU threads (default 2)")
+    add("--repeats", type=int, default=5, help="timed runs a measurement")
+    add("--warmup", type=int, default=1, help="untimed runs first")
+    add("--quick", action="store_true", help="tiny sizes: a smoke test")
+    add("--no-compile", action="store_true", help="skip torch.compile")
+    add("--precision", choices=["bf16", "fp32"], default="bf16", help="on CUDA (CPU: fp32)")
+    add("--sentences", type=int, default=200, help="test2016 sentences, beam")
+    add("--checkpoint", type=Path, help="trained model (default: cached run)")
+    add("--peak-tflops", type=float, help="data-sheet peak for MFU where the table has none")
+    add("--out", type=Path, default=RESULTS, help="results folder")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> torch.device:
+    """The device ``args`` name; a ``ValueError`` naming the first argument that is not valid."""
+    for name in ("threads", "repeats", "sentences"):
+        check_int(f"--{name}", getattr(args, name), at_least=1)
+    check_int("--warmup", args.warmup, at_least=0)
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ValueError(f"--peak-tflops must be greater than 0, got {args.peak_tflops}")
+    if args.checkpoint is not None and not args.checkpoint.is_file():
+        raise ValueError(f"--checkpoint {args.checkpoint}: no such file")
+    try:
+        device = check_device(args.device)
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
+    return device
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run measures: full (CPU or CUDA) or --quick."""
+
+    quick: bool
+    precision: str  # "bf16" (CUDA, the default there) or "fp32"
+    repeats: int
+    warmup: int
+    configs: tuple[str, ...]
+    lengths: tuple[int, ...]
+    tokens: dict[str, int]  # tokens a batch (sentences = tokens // length)
+    compile_cells: tuple[tuple[str, int], ...]
+    decode_config: str
+    decode_tokens: tuple[int, ...]
+    attention_lengths: tuple[int, ...]
+    beam_sentences: int
+    checkpoint: Path | None
+    matmul_size: int  # the square matrix product the peak is measured on
+    peak_flops: float | None  # --peak-tflops, as FLOP/s
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, device: torch.device) -> Settings:
+        cuda, quick = device.type == "cuda", args.quick
+        configs = ("tiny",) if quick else ("small", "base")
+        lengths = (8, 16) if quick else (16, 32, 64)
+        # Compiling takes minutes on a CPU: there only `small` at one length.
+        compile_cells = () if args.no_compile or quick else (("small", 32),)
+        if cuda and not args.no_compile:
+            compile_cells = tuple((c, n) for c in configs for n in lengths)
+        # Small enough for 10 minutes on 2 cores; a GPU wants large batches.
+        tokens = {"tiny": 128, "small": 1024, "base": 512}
+        if cuda:
+            tokens = dict.fromkeys(tokens, 8192)
+        return cls(
+            quick=quick,
+            precision=args.precision if cuda else "fp32",
+            repeats=args.repeats,
+            warmup=args.warmup,
+            configs=configs,
+            lengths=lengths,
+            tokens=tokens,
+            compile_cells=compile_cells,
+            decode_config="tiny" if quick else ("base" if cuda else "small"),
+            decode_tokens=(4, 8) if quick else (16, 32, 64, 128),
+            attention_lengths=(64, 128) if quick else (128, 256, 512, 1024, 2048),
+            beam_sentences=4 if quick else args.sentences,
+            checkpoint=args.checkpoint,
+            matmul_size=256 if quick else (16384 if cuda else 2048),
+            peak_flops=None if args.peak_tflops is None else 1e12 * args.peak_tflops,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+def run_meta(settings: Settings, device: torch.device, argv: list[str] | None) -> dict:
+    """Where and how the run measured: device, versions, threads, precision, commit, command."""
+    options = RunOptions(
+        device=str(device), precision=settings.precision, compile=bool(settings.compile_cells)
+    )
+    return {
+        "device": device.type,
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "precision": "bf16 autocast" if settings.precision == "bf16" else "fp32",
+        "repeats": settings.repeats,
+        "quick": settings.quick,
+        "commit": git_commit()["commit"],
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
+        "hardware": hardware(device, options),
+    }
