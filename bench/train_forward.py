@@ -14,10 +14,14 @@ from bench.models import TrainStep, build_pair, forward_fn, make_batch
 from bench.timing import interleaved
 from transformer_tutorial.flops import count_flops
 
+# The two sides: the prefix of their keys in a row, and their names in the timings.
+KEYS = {"ours": "ours", "torch": "nn.Transformer"}
+SIDES = tuple(KEYS.values())
+
 
 def ratio_row(config: str, ids: Tensor, timed: dict) -> dict:
     """One table row: each side's median and spread, and the throughput ratio ours ÷ theirs."""
-    ours, theirs = timed["ours"], timed["nn.Transformer"]
+    ours, theirs = (timed[name] for name in SIDES)
     return {
         "config": config,
         "length": ids.size(2),
@@ -81,11 +85,6 @@ def compiled_row(s: Settings, config: str, ids: Tensor) -> dict | str:
         row[f"{key}_compile_s"] = timed[name]["first_s"] - timed[name]["median_s"]
     row["ours_compiled_vs_eager"] = timed["ours eager"]["median_s"] / timed["ours"]["median_s"]
     return row
-
-
-# The two sides: names in the timings and printed lines, and key prefixes in the rows.
-SIDES = ("ours", "nn.Transformer")
-KEYS = {"ours": "ours", "torch": "nn.Transformer"}
 
 
 def bench_models(s: Settings, device: torch.device) -> dict:
