@@ -14,6 +14,14 @@ are ``train`` and ``translate``; ``runtime`` picks the device and seeds. Chapter
 ``precision`` (fp32, bf16 or fp16 with loss scaling) and ``distributed`` (many processes under
 ``torchrun``), which the trainer uses.
 
+From 2017 to today (chapters 13–17), each modern change a small switchable piece:
+``language_model`` (the decoder alone, GPT; its factories choose the pieces below), ``sampling``
+(temperature, top-k, top-p, ``generate``), ``hf_weights`` (weights to and from ``transformers``'
+models), ``norms`` (RMSNorm), ``feed_forward`` (SwiGLU), ``rotary`` (rotary position
+embeddings, three layouts), ``grouped_attention`` (grouped-query attention, QK-norm, sliding
+windows, the KV cache's bytes). ``flops`` counts a step's floating-point operations, ``checks``
+validates arguments, ``plotting`` draws the book's figures.
+
 Shape vocabulary, batch-first everywhere:
 
 ====  =========================================
