@@ -17,21 +17,20 @@ def _mfu(row: dict, suffix: str = "") -> str:
     return f"{row[f'ours_mfu{suffix}']:.1%}/{row[f'torch_mfu{suffix}']:.1%}"
 
 
+def _mfu_legend(peaks: dict) -> str:
+    matmul, sheet = peaks["matmul"], peaks["datasheet_flop_per_s"]
+    legend = (
+        f"MFU ours/nn.Transformer: counted FLOP/s ÷ the {matmul['dtype']} matrix-multiply peak "
+        f"{matmul['flop_per_s'] / 1e9:,.1f} GFLOP/s (measured)"
+    )
+    return legend + ("" if sheet is None else f"; MFU sheet: ÷ {sheet / 1e12:,.1f} TFLOP/s")
+
+
 def print_table(results: dict) -> None:
     """Each row's medians, throughput ratio, MFU (ours/nn.Transformer) and spread."""
-    peaks = results["peaks"]
-    sheet = peaks["datasheet_flop_per_s"] is not None
-    matmul = peaks["matmul"]
-    print(
-        "\nthroughput ratio ours ÷ nn.Transformer (> 1: ours faster), median wall clock; MFU "
-        f"ours/nn.Transformer: counted FLOP/s ÷ {matmul['dtype']} matmul peak "
-        f"{matmul['flop_per_s'] / 1e9:,.1f} GFLOP/s"
-        + (
-            f", and ÷ data sheet {peaks['datasheet_flop_per_s'] / 1e12:,.1f} TFLOP/s"
-            if sheet
-            else ""
-        )
-    )
+    sheet = results["peaks"]["datasheet_flop_per_s"] is not None
+    print("\nthroughput ratio ours ÷ nn.Transformer (> 1: ours faster), median wall clock")
+    print(_mfu_legend(results["peaks"]))
     header = f"{'':8}{'config':<7}{'L':>4}{'ours ms':>10}{'torch ms':>10}{'ratio':>7}{'MFU':>14}"
     print(header + (f"{'MFU sheet':>14}" if sheet else "") + f"{'spread':>14}")
     for kind, label in TABLE_KINDS:
