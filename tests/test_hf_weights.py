@@ -18,12 +18,8 @@ from transformer_tutorial.hf_weights import (
     gpt2_config,
     lm_config_from_gpt2,
 )
-from transformer_tutorial.language_model import (
-    LM_ACTIVATIONS,
-    LanguageModel,
-    LMConfig,
-    next_token_loss,
-)
+from transformer_tutorial.language_model import LanguageModel, LMConfig, next_token_loss
+from transformer_tutorial.lm_pieces import LM_ACTIVATIONS
 from transformer_tutorial.sampling import generate
 
 V, B, T = 50, 3, 16

@@ -1,7 +1,7 @@
 """language_model: the decoder-only layer equals PyTorch's encoder layer under a causal mask,
 the model is causal, cached steps equal the whole sequence, right padding changes nothing, the
 next-token loss is the shifted cross-entropy, a tiny model overfits, and bad configs are refused.
-(Equality with GPT-2: test_hf_weights.py.)"""
+(Equality with GPT-2, Llama and Qwen3: test_hf_weights.py.)"""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from torch import nn
 from conftest import raises, to_device
 from transformer_tutorial.copy_weights import copy_encoder_layer
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding, TokenEmbedding
+from transformer_tutorial.feed_forward import SwiGLU
+from transformer_tutorial.grouped_attention import GroupedQueryAttention
 from transformer_tutorial.language_model import (
     DecoderOnlyLayer,
     LanguageModel,
@@ -22,10 +24,24 @@ from transformer_tutorial.language_model import (
     next_token_loss,
 )
 from transformer_tutorial.layers import FeedForward
+from transformer_tutorial.lm_pieces import LLAMA, QWEN3, PositionsInAttention
 from transformer_tutorial.masks import causal_mask
+from transformer_tutorial.norms import RMSNorm
 
 B, T, V, D, H, D_FF = 3, 9, 23, 16, 4, 32
 ATOL = 1e-5
+MODERN = dict(LLAMA, dropout=0.0)  # Llama's choices at the tiny sizes below
+# Chapter 17's choices, from GPT-2 to Qwen3; the windows are shorter than T.
+CHOICES = {
+    "gpt2": {},
+    "rms-swiglu": dict(norm="rms", activation="swiglu"),
+    "gqa-as-mha": dict(attention="gqa", bias=True),
+    "llama": dict(MODERN, n_kv_heads=2),
+    "mqa-post-norm": dict(MODERN, n_kv_heads=1, norm_first=False),
+    "qwen3-window-3": dict(QWEN3, n_kv_heads=2, window=3),
+    "window-1": dict(MODERN, window=1),
+    "head-width-6": dict(MODERN, d_head=6, n_kv_heads=2),
+}
 
 
 def tiny(**changes) -> LMConfig:
@@ -62,8 +78,13 @@ def test_layer_equals_pytorch_encoder_layer_with_a_causal_mask(norm_first, activ
 
 @pytest.mark.parametrize(
     "changes",
-    [{}, {"norm_first": False}, {"positions": "sinusoidal", "scale_embeddings": True}],
-    ids=["gpt2", "post-norm", "paper-positions"],
+    [
+        {},
+        {"norm_first": False},
+        {"positions": "sinusoidal", "scale_embeddings": True},
+        *CHOICES.values(),
+    ],
+    ids=["gpt2", "post-norm", "paper-positions", *(f"ch17-{name}" for name in CHOICES)],
 )
 def test_logits_do_not_depend_on_later_tokens(changes):
     lm = model(**changes)
@@ -92,6 +113,96 @@ def test_cached_steps_equal_the_whole_sequence(norm_first, positions):
     stepped = torch.cat([first, second, *rest], dim=1)
     torch.testing.assert_close(stepped, whole, atol=ATOL, rtol=ATOL)
     assert cache.length == T and cache.layers[0].k.shape == (B, H, T, D // H)
+
+
+def _stepped(lm: LanguageModel, x: torch.Tensor, padding_mask=None) -> torch.Tensor:
+    """Logits of a prompt of 4, then 2 positions, then one at a time, each step from the cache
+    the one before returned."""
+    masks = (None,) * 4 if padding_mask is None else [padding_mask[:, :t] for t in (4, 6, 7)]
+    first, cache = lm.step(x[:, :4], padding_mask=masks[0])
+    second, cache = lm.step(x[:, 4:6], cache, padding_mask=masks[1])
+    rest = []
+    for t in range(6, x.size(1)):
+        mask = None if padding_mask is None else padding_mask[:, : t + 1]
+        logits, cache = lm.step(x[:, t : t + 1], cache, padding_mask=mask)
+        rest.append(logits)
+    return torch.cat([first, second, *rest], dim=1)
+
+
+@pytest.mark.parametrize("changes", CHOICES.values(), ids=CHOICES.keys())
+def test_cached_steps_equal_the_whole_sequence_with_every_choice(changes):
+    """Also past a sliding window (3 and 1 < T = 9): the cache keeps only what a later query
+    sees, and the positions keep counting."""
+    lm = model(**changes)
+    x = ids()
+    with torch.no_grad():
+        whole, stepped = lm(x), _stepped(lm, x)
+        _, cache = lm.step(x)
+    torch.testing.assert_close(stepped, whole, atol=ATOL, rtol=ATOL)
+    window = changes.get("window")
+    held = T if window is None else window - 1
+    assert cache.length == T and all(layer.k.size(2) == held for layer in cache.layers)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-window-3"])
+def test_a_left_padded_row_gives_the_logits_of_the_row_alone(name):
+    """With rotary positions and a padding mask, padding on the left changes no real position,
+    whole or decoded step by step with the cache; without the mask it does."""
+    lm = model(**CHOICES[name])
+    x = ids(shape=(2, T))
+    pads = 3
+    padded = torch.cat([torch.zeros(2, pads, dtype=torch.long), x[:, : T - pads]], dim=1)
+    padded[1] = x[1]  # row 1 unpadded: the batch mixes both
+    mask = torch.zeros(2, T, dtype=torch.bool)
+    mask[0, :pads] = True
+    with torch.no_grad():
+        alone = lm(x[:1, : T - pads])
+        whole = lm(padded, padding_mask=mask)
+        stepped = _stepped(lm, padded, mask)
+        unmasked = lm(padded)
+    for got in (whole, stepped):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got[:1, pads:], alone, atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(got[1:], lm(x[1:]), atol=ATOL, rtol=ATOL)
+    assert (unmasked[:1, pads:] - alone).abs().max() > 1e-3
+
+
+def test_gqa_with_as_many_kv_heads_is_mha():
+    """The switch from chapter 4's attention to chapter 16's changes no number: with H key/value
+    heads, the same biases and learned positions, copied weights give the same logits."""
+    mha, gqa = model(), model(seed=1, attention="gqa", bias=True)
+    gqa.load_state_dict(mha.state_dict())
+    assert isinstance(gqa.layers[0].self_attn, GroupedQueryAttention)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(x), mha(x), atol=ATOL, rtol=ATOL)
+
+
+def test_llama_choices_build_todays_pieces():
+    lm = model(**CHOICES["llama"])
+    layer = lm.layers[0]
+    assert isinstance(layer.norm1, RMSNorm) and isinstance(lm.norm, RMSNorm)
+    assert isinstance(layer.ff, SwiGLU) and isinstance(lm.positions, PositionsInAttention)
+    attn = layer.self_attn
+    assert (attn.n_kv_heads, attn.k_proj.out_features, attn.q_norm) == (2, 2 * D // H, None)
+    assert not [n for n, _ in lm.named_parameters() if n.endswith("bias")]
+    assert lm.lm_head.weight is not lm.embed.weight
+    assert "layers.0.self_attn.positions.rotary.cos" in dict(lm.named_buffers())
+    assert not any("rotary" in k for k in lm.state_dict())  # formulas, not weights
+    qwen3 = model(**CHOICES["qwen3-window-3"]).layers[0].self_attn
+    assert isinstance(qwen3.q_norm, RMSNorm) and qwen3.window == 3
+    # the feed-forward's down_proj writes into the stream: initialised as GPT-2's linear2
+    big = LanguageModel(tiny(**MODERN, d_model=64, d_ff=256, n_layers=8, vocab_size=500))
+    down = torch.cat([layer.ff.down_proj.weight.flatten() for layer in big.layers]).std()
+    assert math.isclose(down.item(), 0.02 / math.sqrt(16), rel_tol=0.05)
+
+
+def test_rotary_tables_move_with_the_model():
+    lm = model(**CHOICES["llama"]).to(torch.float64)
+    assert lm.layers[0].self_attn.positions.rotary.cos.dtype == torch.float64
+    x = ids()
+    with torch.no_grad():
+        assert lm(x).dtype == torch.float64
 
 
 def test_right_padding_changes_no_real_position():
@@ -179,9 +290,20 @@ def test_a_tiny_model_learns_a_sentence_by_heart():
         ({"n_layers": 0}, ValueError, "n_layers must be at least 1"),
         ({"dropout": 1.0}, ValueError, "dropout must be in [0.0, 1.0)"),
         ({"activation": "swish"}, ValueError, "activation must be one of"),
-        ({"norm": "rms"}, ValueError, "norm must be one of ['layer']"),
-        ({"positions": "rope"}, ValueError, "positions must be one of ['learned', 'sinusoidal']"),
-        ({"attention": "gqa"}, ValueError, "attention must be one of ['mha']"),
+        ({"norm": "rmsnorm"}, ValueError, "norm must be one of ['layer', 'rms']"),
+        ({"positions": "alibi"}, ValueError, "one of ['learned', 'rope', 'sinusoidal']"),
+        ({"attention": "mqa"}, ValueError, "attention must be one of ['gqa', 'mha']"),
+        (
+            {"positions": "rope"},
+            ValueError,
+            "positions='rope': chapter 16's attention only; set attention='gqa'",
+        ),
+        ({"n_kv_heads": 2, "window": 4}, ValueError, "n_kv_heads=2, window=4: chapter 16's"),
+        ({"attention": "gqa", "n_kv_heads": 3}, ValueError, "n_kv_heads=3 must divide n_heads=4"),
+        ({"attention": "gqa", "n_kv_heads": 0}, ValueError, "n_kv_heads must be at least 1"),
+        ({**MODERN, "d_head": 5}, ValueError, "head width 5 must be even for rotary"),
+        ({"rope_base": 1.0}, ValueError, "rope_base must be greater than 1"),
+        ({"qk_norm": 1}, TypeError, "qk_norm must be True or False"),
         ({"bias": 1}, TypeError, "bias must be True or False"),
         ({"d_model": 15, "n_heads": 3, "positions": "sinusoidal"}, ValueError, "must be even"),
     ],
@@ -218,3 +340,11 @@ def test_bad_configs_are_refused(changes, error, phrase):
 )
 def test_bad_inputs_are_refused(call, error, phrase):
     raises(lambda: call(model()), error, phrase)
+
+
+def test_bad_padding_masks_are_refused():
+    x = ids()
+    raises(lambda: model()(x, padding_mask=x == 0), ValueError, "padding_mask needs positions=")
+    llama = model(**MODERN)
+    raises(lambda: llama(x, padding_mask=x[:, 1:] == 0), ValueError, "must be bool (B, cached")
+    raises(lambda: llama(x, padding_mask=(x == 0).long()), ValueError, "must be bool (B, cached")

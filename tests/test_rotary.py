@@ -16,6 +16,7 @@ from transformer_tutorial.embeddings import sinusoidal_table
 from transformer_tutorial.rotary import (
     LAYOUTS,
     RotaryEmbedding,
+    RotaryPositions,
     apply_rotary,
     convert_qk_weight,
     qk_row_permutation,
@@ -273,6 +274,25 @@ def test_tables_are_formulas_not_weights_and_follow_the_input():
     assert "base=500000.0" in repr(RotaryEmbedding(DH, base=500000.0))
     x = torch.randn(3, DH)
     assert torch.equal(rotate_half(rotate_half(x)), -x)  # two quarter turns: a half turn
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rotary_positions_hook_rotates_q_and_k_and_moves_with_its_module(layout: str):
+    """The hook equals RotaryEmbedding + apply_rotary, and its tables are a submodule's buffers:
+    a module holding it carries them through ``.to()`` (a plain function's would stay)."""
+    q, k = _qk(2)
+    positions = torch.arange(3, 3 + L).expand(B, L)  # (B, L): a cache of 3 positions before
+    hook = RotaryPositions(DH, max_len=16, base=500.0, layout=layout)
+    cos, sin = RotaryEmbedding(DH, max_len=16, base=500.0)(q, positions)
+    got = hook(q, k, positions)
+    want = apply_rotary(q, k, cos, sin, layout=layout)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    holder = torch.nn.Module()
+    holder.positions = hook
+    assert {"positions.rotary.cos", "positions.rotary.sin"} <= dict(holder.named_buffers()).keys()
+    assert holder.to(torch.float64).positions.rotary.cos.dtype == torch.float64
+    assert holder.state_dict() == {}  # formulas, not weights
+    raises(lambda: RotaryPositions(DH, layout="gptj"), ValueError, "layout must be one of")
 
 
 def test_bad_input_raises_clear_errors():

@@ -1,48 +1,68 @@
-"""Chapter 13: the decoder alone, a language model (GPT).
+"""Chapter 13: the decoder alone, a language model (GPT); chapter 17: the same code path with
+today's pieces (Llama, Qwen3).
 
 Chapter 8's decoder without cross-attention reads tokens ``0..t`` and predicts token ``t + 1``:
 that is GPT. The model is one code path whose pieces are chosen by small factories from the
-config — the norm (:func:`make_norm`), the feed-forward layer (:func:`make_feed_forward`), the
-position scheme (:func:`make_positions`) and the attention head layout
-(:func:`make_attention`) — so that a later choice (RMSNorm, SwiGLU, rotary positions, grouped
-heads) is a new branch in one factory, not a new model. The defaults are GPT-2 small's.
+config (:mod:`~transformer_tutorial.lm_pieces`) — the norm (:func:`make_norm`), the
+feed-forward layer (:func:`make_feed_forward`), the position scheme (:func:`make_positions`)
+and the attention head layout (:func:`make_attention`) — so that a later choice (RMSNorm,
+SwiGLU, rotary positions, grouped heads) is a new branch in one factory, not a new model. The
+defaults are GPT-2 small's; ``lm_pieces.LLAMA`` and ``lm_pieces.QWEN3`` hold today's choices.
 
 Shapes: token ids ``(B, T)`` → logits ``(B, T, V)``. Padding goes at the end of a row: under the
-causal mask no real position sees it, and :func:`next_token_loss` ignores it.
+causal mask no real position sees it, and :func:`next_token_loss` ignores it. With rotary
+positions a row may also be padded on the left, given a ``padding_mask``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_tutorial.attention import KVCache, MultiHeadAttention
-from transformer_tutorial.checks import check_bool, check_choice, check_int, check_number
-from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
-from transformer_tutorial.layers import ACTIVATIONS, FeedForward, LayerNorm
+from transformer_tutorial.attention import KVCache
+from transformer_tutorial.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_optional_int,
+)
+from transformer_tutorial.grouped_attention import GroupedKVCache, GroupedQueryAttention
+from transformer_tutorial.lm_pieces import (
+    ATTENTIONS,
+    FEED_FORWARDS,
+    NORMS,
+    POSITIONS,
+    make_attention,
+    make_feed_forward,
+    make_norm,
+    make_positions,
+)
 from transformer_tutorial.masks import causal_mask
 
-# The feed-forward's activations: the paper's two, and GELU's tanh approximation, GPT-2's
-# ("gelu_new" in transformers).
-LM_ACTIVATIONS = {**ACTIVATIONS, "gelu_tanh": partial(F.gelu, approximate="tanh")}
-NORMS = ("layer",)
-POSITIONS = ("learned", "sinusoidal")
-ATTENTIONS = ("mha",)
+# The fields only chapter 16's attention has.
+GQA_FIELDS = {"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None}
 
 
 @dataclass(frozen=True)
 class LMConfig:
     """Every hyperparameter of the language model. Defaults are GPT-2 small (124 M weights).
 
-    ``norm``, ``activation``, ``positions`` and ``attention`` name the pieces the factories
-    build. ``bias`` gives the attention and feed-forward projections biases (the norms keep
-    theirs). ``tie_embeddings`` makes the output layer reuse the token embedding matrix;
-    ``scale_embeddings`` multiplies embeddings by √D as the 2017 paper does (GPT-2 does not).
+    ``norm``, ``activation`` (``"swiglu"``: the gated layer), ``positions`` and ``attention``
+    name the pieces the factories build. ``bias`` gives the attention and feed-forward
+    projections biases (the norms keep theirs). ``tie_embeddings`` makes the output layer reuse
+    the token embedding matrix; ``scale_embeddings`` multiplies embeddings by √D as the 2017
+    paper does (GPT-2 does not). ``layer_norm_eps`` is every norm's epsilon (LayerNorm's or
+    RMSNorm's). ``rope_base`` is θ of rotary positions.
+
+    With ``attention="gqa"`` only: ``n_kv_heads`` key/value heads (None: ``n_heads``), a head
+    width ``d_head`` of its own (None: ``d_model // n_heads``), ``qk_norm`` (Qwen3) and a
+    sliding ``window`` (None: every earlier position). ``positions="rope"`` needs it too.
     """
 
     vocab_size: int
@@ -61,80 +81,64 @@ class LMConfig:
     bias: bool = True
     tie_embeddings: bool = True
     scale_embeddings: bool = False
+    rope_base: float = 10000.0
+    n_kv_heads: int | None = None
+    d_head: int | None = None
+    qk_norm: bool = False
+    window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_len"):
             check_int(name, getattr(self, name), at_least=1)
+        for name in ("n_kv_heads", "d_head", "window"):
+            check_optional_int(name, getattr(self, name), at_least=1)
         check_number("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         check_number("layer_norm_eps", self.layer_norm_eps, low=0.0, low_open=True)
+        check_number("rope_base", self.rope_base, low=1.0, low_open=True)
         check_choice("norm", self.norm, NORMS)
-        check_choice("activation", self.activation, LM_ACTIVATIONS)
+        check_choice("activation", self.activation, FEED_FORWARDS)
         check_choice("positions", self.positions, POSITIONS)
         check_choice("attention", self.attention, ATTENTIONS)
-        for name in ("norm_first", "bias", "tie_embeddings", "scale_embeddings"):
+        for name in ("norm_first", "bias", "tie_embeddings", "scale_embeddings", "qk_norm"):
             check_bool(name, getattr(self, name))
-        if self.d_model % self.n_heads:
+        self._check_heads()
+
+    def _check_heads(self) -> None:
+        if self.attention == "mha":
+            chosen = [
+                f"{k}={getattr(self, k)!r}" for k, v in GQA_FIELDS.items() if getattr(self, k) != v
+            ]
+            if self.positions == "rope":
+                chosen.append("positions='rope'")
+            if chosen:
+                raise ValueError(
+                    f"{', '.join(chosen)}: chapter 16's attention only; set attention='gqa'"
+                )
+        if self.d_head is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}: each "
+                "key/value head serves n_heads // n_kv_heads query heads"
+            )
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"d_model={self.d_model} must be even for sinusoidal positions")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"the head width {self.head_dim} must be even for rotary positions")
 
-
-# --- The factories: one per switchable piece ------------------------------------------------
-
-
-def make_norm(config: LMConfig) -> nn.Module:
-    """The norm of each sub-layer (and the final one in pre-norm): ``"layer"``, LayerNorm."""
-    return LayerNorm(config.d_model, config.layer_norm_eps)
-
-
-def make_feed_forward(config: LMConfig) -> nn.Module:
-    """The position-wise feed-forward layer of chapter 5 with ``config.activation``."""
-    activation = LM_ACTIVATIONS[config.activation]
-    return FeedForward(config.d_model, config.d_ff, config.dropout, activation, bias=config.bias)
-
-
-def make_attention(config: LMConfig) -> MultiHeadAttention:
-    """The self-attention's head layout: ``"mha"``, H query heads with H key/value heads.
-
-    The block calls only ``project_qkv(x)`` → queries ``(B, H, T, Dh)`` and a
-    :class:`KVCache`, and ``attend_heads(q, kv, attn_mask=...)``: another layout keeps those.
-    """
-    return MultiHeadAttention(config.d_model, config.n_heads, config.dropout, bias=config.bias)
-
-
-def make_positions(config: LMConfig) -> nn.Module:
-    """What adds positions to the token embeddings: ``"learned"`` (GPT-2, a trained table) or
-    ``"sinusoidal"`` (the paper, chapter 2). Either takes ``(x, start)`` and adds dropout."""
-    if config.positions == "sinusoidal":
-        return SinusoidalPositionalEncoding(config.d_model, config.max_len, config.dropout)
-    return LearnedPositionalEmbedding(config.max_len, config.d_model, config.dropout)
-
-
-class LearnedPositionalEmbedding(nn.Module):
-    """A trained ``(max_len, D)`` table, one vector per position, added to the embeddings, then
-    dropout (GPT-2's ``wpe``).
-
-    Shapes:
-        x ``(B, T, D)`` → ``(B, T, D)``; ``start`` shifts the positions (decoding with a cache).
-    """
-
-    def __init__(self, max_len: int, d_model: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.max_len = max_len
-        self.weight = nn.Parameter(torch.zeros(max_len, d_model))
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor, start: int = 0) -> Tensor:
-        length = x.size(1)
-        if start + length > self.max_len:
-            raise ValueError(
-                f"sequence reaches position {start + length}, beyond max_len={self.max_len}: "
-                "the table has no vector for it; shorten the input or build a larger max_len"
-            )
-        return self.dropout(x + self.weight[start : start + length])
+    @property
+    def head_dim(self) -> int:
+        """Dh: ``d_head``, or ``d_model // n_heads``."""
+        return self.d_model // self.n_heads if self.d_head is None else self.d_head
 
 
 # --- The layer and the model ----------------------------------------------------------------
+
+
+# The projections that write into the residual stream, initialised smaller.
+RESIDUAL_PROJECTIONS = ("self_attn.out_proj.weight", "ff.linear2.weight", "ff.down_proj.weight")
+# One layer's keys and values so far: chapter 11's for "mha", chapter 16's for "gqa".
+Cache = KVCache | GroupedKVCache
 
 
 class DecoderOnlyLayer(nn.Module):
@@ -147,6 +151,8 @@ class DecoderOnlyLayer(nn.Module):
     Shapes:
         x ``(B, T_new, D)`` after the ``S_past`` positions of ``past`` (each ``(B, H, S_past,
         Dh)``) → ``(B, T_new, D)`` and the keys/values of all ``S_past + T_new`` positions.
+        With ``attention="gqa"`` only: ``position_ids`` ``(B, T_new)`` for rotary positions and
+        ``padding_mask`` ``(B, S_past + T_new)``, True at padding.
     """
 
     def __init__(self, config: LMConfig) -> None:
@@ -159,18 +165,30 @@ class DecoderOnlyLayer(nn.Module):
         self.dropout1 = nn.Dropout(config.dropout)
         self.dropout2 = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, past: KVCache | None = None) -> tuple[Tensor, KVCache]:
+    def forward(
+        self,
+        x: Tensor,
+        past: Cache | None = None,
+        *,
+        position_ids: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Cache]:
+        pads = dict(position_ids=position_ids, padding_mask=padding_mask)  # "gqa" only
         if self.norm_first:
-            sa, kv = self._sa_block(self.norm1(x), past)
+            sa, kv = self._sa_block(self.norm1(x), past, **pads)
             x = x + sa
             x = x + self._ff_block(self.norm2(x))
         else:
-            sa, kv = self._sa_block(x, past)
+            sa, kv = self._sa_block(x, past, **pads)
             x = self.norm1(x + sa)
             x = self.norm2(x + self._ff_block(x))
         return x, kv
 
-    def _sa_block(self, x: Tensor, past: KVCache | None) -> tuple[Tensor, KVCache]:
+    def _sa_block(
+        self, x: Tensor, past: Cache | None, **pads: Tensor | None
+    ) -> tuple[Tensor, Cache]:
+        if isinstance(self.self_attn, GroupedQueryAttention):
+            return self._grouped_sa_block(x, past, **pads)
         q, kv = self.self_attn.project_qkv(x)  # (B, H, T_new, Dh) each
         if past is not None:
             kv = past.append(kv)  # (B, H, S_past + T_new, Dh)
@@ -180,6 +198,23 @@ class DecoderOnlyLayer(nn.Module):
         out, _ = self.self_attn.attend_heads(q, kv, attn_mask=future)
         return self.dropout1(out), kv
 
+    def _grouped_sa_block(
+        self,
+        x: Tensor,
+        past: GroupedKVCache | None,
+        *,
+        position_ids: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, GroupedKVCache]:
+        """Chapter 16's attention builds its own mask (causal or sliding-window, bottom-right),
+        turns queries and keys by their positions (``position_ids``: default, those after the
+        cache's) and adds the new keys and values to a copy of ``past``, which stays as it was."""
+        cache = GroupedKVCache() if past is None else copy.copy(past)
+        out = self.self_attn(
+            x, position_ids=position_ids, key_padding_mask=padding_mask, cache=cache
+        )
+        return self.dropout1(out), cache
+
     def _ff_block(self, x: Tensor) -> Tensor:
         return self.dropout2(self.ff(x))
 
@@ -187,9 +222,10 @@ class DecoderOnlyLayer(nn.Module):
 @dataclass(frozen=True)
 class LMCache:
     """What decoding carries from one step to the next: each layer's keys and values
-    ``(B, H, length, Dh)`` and how many positions they hold."""
+    ``(B, Hkv, S, Dh)`` and how many positions have been decoded (with a sliding window a layer
+    holds only the last ``window - 1``)."""
 
-    layers: tuple[KVCache, ...]
+    layers: tuple[Cache, ...]
     length: int
 
 
@@ -201,6 +237,8 @@ class LanguageModel(nn.Module):
 
     Shapes:
         ids ``(B, T)`` integer → logits ``(B, T, V)``; logit ``[b, t]`` scores token ``t + 1``.
+        With rotary positions, ``padding_mask`` ``(B, cached + T)`` (True at padding) lets rows
+        be padded on the left: positions are counted from each row's first real token.
     """
 
     def __init__(self, config: LMConfig) -> None:
@@ -221,12 +259,12 @@ class LanguageModel(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-2's initialisation: every matrix N(0, 0.02²), biases 0, norms' gains 1, and the
         two projections that write into the residual stream (attention's ``out_proj``, the
-        feed-forward's ``linear2``) N(0, (0.02 / √(2 · layers))²), so that the stream's variance
-        does not grow with depth. With ``scale_embeddings`` the table is N(0, 1/D), as in
-        chapter 9."""
+        feed-forward's ``linear2`` or ``down_proj``) N(0, (0.02 / √(2 · layers))²), so that
+        the stream's variance does not grow with depth. With ``scale_embeddings`` the table is
+        N(0, 1/D), as in chapter 9."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
-            if name.endswith(("self_attn.out_proj.weight", "ff.linear2.weight")):
+            if name.endswith(RESIDUAL_PROJECTIONS):
                 nn.init.normal_(p, std=residual_std)
             elif p.dim() > 1:
                 nn.init.normal_(p, std=0.02)
@@ -235,25 +273,47 @@ class LanguageModel(nn.Module):
         if self.config.scale_embeddings:
             nn.init.normal_(self.embed.weight, std=self.config.d_model**-0.5)
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def forward(self, ids: Tensor, *, padding_mask: Tensor | None = None) -> Tensor:
         """Token ids ``(B, T)`` → logits ``(B, T, V)``."""
-        return self.step(ids)[0]
+        return self.step(ids, padding_mask=padding_mask)[0]
 
-    def step(self, ids: Tensor, cache: LMCache | None = None) -> tuple[Tensor, LMCache]:
+    def step(
+        self, ids: Tensor, cache: LMCache | None = None, *, padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, LMCache]:
         """New ids ``(B, T_new)`` after the ``cache.length`` positions in ``cache`` (none when
         None) → their logits ``(B, T_new, V)`` and a cache that also holds them. Equal to
-        :meth:`forward` on the whole sequence."""
+        :meth:`forward` on the whole sequence. ``padding_mask``: see the class."""
         start = 0 if cache is None else cache.length
         self._check_ids(ids, start)
+        pads = self._left_padding(padding_mask, ids, start)
         past = (None,) * len(self.layers) if cache is None else cache.layers
         x = self.positions(self.embed(ids) * self.embed_scale, start)  # (B, T_new, D)
         kvs = []
         for layer, layer_past in zip(self.layers, past, strict=True):
-            x, kv = layer(x, layer_past)
+            x, kv = layer(x, layer_past, **pads)
             kvs.append(kv)
         if self.norm is not None:
             x = self.norm(x)
         return self.lm_head(x), LMCache(tuple(kvs), start + ids.size(1))
+
+    def _left_padding(self, padding_mask: Tensor | None, ids: Tensor, start: int) -> dict:
+        """The padding mask and the position ids that skip the padding, ``(B, T_new)``: a row's
+        first real token is position 0, as in ``transformers``' ``generate``."""
+        if padding_mask is None:
+            return {}
+        if self.config.positions != "rope":
+            raise ValueError(
+                "padding_mask needs positions='rope': a position table added to the embeddings "
+                "cannot skip the padding; pad on the right instead"
+            )
+        B, T_new = ids.shape
+        if padding_mask.dtype != torch.bool or padding_mask.shape != (B, start + T_new):
+            raise ValueError(
+                f"padding_mask must be bool (B, cached + new) = {(B, start + T_new)}, True at "
+                f"padding; got {padding_mask.dtype} {tuple(padding_mask.shape)}"
+            )
+        position_ids = ((~padding_mask).cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T_new)
+        return dict(position_ids=position_ids, padding_mask=padding_mask)
 
     def _check_ids(self, ids: Tensor, start: int) -> None:
         if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:

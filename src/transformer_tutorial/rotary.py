@@ -94,6 +94,42 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, max_len={self.max_len}, base={self.base}"
 
 
+class RotaryPositions(nn.Module):
+    """Rotary embeddings as the position hook of an attention layer (chapter 16's
+    ``positions=``): ``(q, k, position_ids)`` → ``(q, k)`` rotated by :func:`apply_rotary`.
+
+    A module rather than a function, so that its tables are a submodule's buffers and move with
+    the model's ``.to(device)``.
+
+    Args:
+        head_dim, max_len, base: as :class:`RotaryEmbedding`.
+        layout: which coordinates pair up, one of ``LAYOUTS``.
+
+    Shapes:
+        q ``(B, H, L, Dh)``, k ``(B, Hkv, L, Dh)``, position_ids ``(B, L)`` → q, k as given.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        max_len: int = 4096,
+        base: float = 10000.0,
+        layout: str = "half_split",
+    ) -> None:
+        super().__init__()
+        check_choice("layout", layout, LAYOUTS)
+        self.rotary = RotaryEmbedding(head_dim, max_len=max_len, base=base)
+        self.layout = layout
+
+    def forward(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.rotary(q, position_ids)  # (B, L, Dh) each
+        return apply_rotary(q, k, cos, sin, layout=self.layout)
+
+    def extra_repr(self) -> str:
+        return f"layout={self.layout!r}"
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """``(x1, x2) → (−x2, x1)`` for the two halves of the last dimension: each half-split pair
     ``(a, b)`` turned by 90°."""

@@ -1,0 +1,153 @@
+"""Chapters 13-17: the pieces a language model is built from, each chosen by name.
+
+One factory per switchable piece reads :class:`~transformer_tutorial.language_model.LMConfig`
+and builds it: the norm (:func:`make_norm`), the feed-forward layer (:func:`make_feed_forward`),
+what adds positions to the embeddings (:func:`make_positions`) and the self-attention's head
+layout (:func:`make_attention`). GPT-2's choices and the 2017 paper's are chapter 13's; RMSNorm
+and SwiGLU chapter 14's, rotary positions chapter 15's, grouped-query attention with QK-norm
+and a sliding window chapter 16's; chapter 17 assembles them into a Llama-style model.
+
+Shapes: embeddings ``(B, T, D)``; queries ``(B, H, T, Dh)``, keys and values ``(B, Hkv, T, Dh)``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from transformer_tutorial.attention import MultiHeadAttention
+from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
+from transformer_tutorial.feed_forward import SwiGLU
+from transformer_tutorial.grouped_attention import GroupedQueryAttention
+from transformer_tutorial.layers import ACTIVATIONS, FeedForward
+from transformer_tutorial.norms import build_norm
+from transformer_tutorial.rotary import RotaryPositions
+
+if TYPE_CHECKING:
+    from transformer_tutorial.language_model import LMConfig
+
+# The feed-forward's activations: the paper's two, and GELU's tanh approximation, GPT-2's
+# ("gelu_new" in transformers).
+LM_ACTIVATIONS = {**ACTIVATIONS, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+# The choices each factory knows. "swiglu" is a gated layer, not an activation of one.
+NORMS = ("layer", "rms")
+FEED_FORWARDS = (*LM_ACTIVATIONS, "swiglu")
+POSITIONS = ("learned", "sinusoidal", "rope")
+ATTENTIONS = ("mha", "gqa")
+
+# Today's choices; the sizes are the caller's: LMConfig(vocab_size=V, d_model=..., **LLAMA).
+# Llama (Touvron et al. 2023): pre-norm RMSNorm, SwiGLU, rotary positions, grouped-query
+# attention (set n_kv_heads), no biases, an output layer of its own. Qwen3 adds QK-norm.
+LLAMA = MappingProxyType(
+    dict(
+        norm_first=True,
+        norm="rms",
+        layer_norm_eps=1e-6,
+        activation="swiglu",
+        positions="rope",
+        attention="gqa",
+        bias=False,
+        tie_embeddings=False,
+        scale_embeddings=False,
+    )
+)
+QWEN3 = MappingProxyType({**LLAMA, "qk_norm": True})
+
+
+def make_norm(config: LMConfig) -> nn.Module:
+    """The norm of each sub-layer (and the final one in pre-norm): ``"layer"``, LayerNorm (the
+    paper, GPT-2), or ``"rms"``, RMSNorm (Llama, chapter 14); ``layer_norm_eps`` either way."""
+    return build_norm(config.norm, config.d_model, config.layer_norm_eps)
+
+
+def make_feed_forward(config: LMConfig) -> nn.Module:
+    """The position-wise feed-forward layer: chapter 5's with ``config.activation``, or with
+    ``"swiglu"`` chapter 14's gated layer (Llama's ``mlp``); ``d_ff`` is the hidden width."""
+    if config.activation == "swiglu":
+        return SwiGLU(config.d_model, config.d_ff, dropout=config.dropout, bias=config.bias)
+    activation = LM_ACTIVATIONS[config.activation]
+    return FeedForward(config.d_model, config.d_ff, config.dropout, activation, bias=config.bias)
+
+
+def make_attention(config: LMConfig) -> MultiHeadAttention | GroupedQueryAttention:
+    """The self-attention's head layout.
+
+    ``"mha"``: chapter 4's H query heads with H key/value heads; the block calls its
+    ``project_qkv(x)`` and ``attend_heads(q, kv, attn_mask=...)``. ``"gqa"``: chapter 16's
+    :class:`GroupedQueryAttention` with ``n_kv_heads`` key/value heads, QK-norm, a sliding
+    ``window`` and, with ``positions="rope"``, chapter 15's rotation of queries and keys as its
+    position hook; it builds its own mask and keeps its own cache.
+    """
+    if config.attention == "mha":
+        return MultiHeadAttention(config.d_model, config.n_heads, config.dropout, bias=config.bias)
+    rotary = None
+    if config.positions == "rope":
+        rotary = RotaryPositions(config.head_dim, max_len=config.max_len, base=config.rope_base)
+    return GroupedQueryAttention(
+        config.d_model,
+        config.n_heads,
+        config.n_kv_heads,
+        d_head=config.d_head,
+        bias=config.bias,
+        qk_norm=config.qk_norm,
+        norm_eps=config.layer_norm_eps,
+        window=config.window,
+        positions=rotary,
+        dropout=config.dropout,
+    )
+
+
+def make_positions(config: LMConfig) -> nn.Module:
+    """What adds positions to the token embeddings: ``"learned"`` (GPT-2, a trained table),
+    ``"sinusoidal"`` (the paper, chapter 2) or, with ``"rope"``, nothing: rotary positions turn
+    queries and keys inside attention. Each takes ``(x, start)`` and adds dropout."""
+    if config.positions == "sinusoidal":
+        return SinusoidalPositionalEncoding(config.d_model, config.max_len, config.dropout)
+    if config.positions == "rope":
+        return PositionsInAttention(config.dropout)
+    return LearnedPositionalEmbedding(config.max_len, config.d_model, config.dropout)
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """A trained ``(max_len, D)`` table, one vector per position, added to the embeddings, then
+    dropout (GPT-2's ``wpe``).
+
+    Shapes:
+        x ``(B, T, D)`` → ``(B, T, D)``; ``start`` shifts the positions (decoding with a cache).
+    """
+
+    def __init__(self, max_len: int, d_model: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.weight = nn.Parameter(torch.zeros(max_len, d_model))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        length = x.size(1)
+        if start + length > self.max_len:
+            raise ValueError(
+                f"sequence reaches position {start + length}, beyond max_len={self.max_len}: "
+                "the table has no vector for it; shorten the input or build a larger max_len"
+            )
+        return self.dropout(x + self.weight[start : start + length])
+
+
+class PositionsInAttention(nn.Module):
+    """The embedding side of rotary positions: nothing is added, only dropout. The positions
+    enter each attention layer, where queries and keys are turned by them.
+
+    Shapes:
+        x ``(B, T, D)`` → ``(B, T, D)``; ``start`` is accepted and not needed.
+    """
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        return self.dropout(x)
