@@ -1,5 +1,6 @@
-"""hf_weights: GPT-2's weights copied into ours (and ours into GPT-2's) make the two compute the
-same logits, loss and greedy tokens, in float32 in eval mode; settings with no equivalent are
+"""hf_weights: GPT-2's, Llama's and Qwen3's weights copied into ours (and ours into theirs) make
+the two compute the same logits and greedy tokens (also past a sliding window, and for a
+left-padded batch), in float32 in eval mode; settings with no equivalent are
 refused with the field to change. Every GPT-2 weight is drawn at random first: its own
 initialisation sets the norms to 1 and the biases to 0, which would hide a bias or a norm
 copied to the wrong place."""
@@ -8,18 +9,32 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.activations import ACT2FN
 
 from conftest import raises, to_device
 from transformer_tutorial.hf_weights import (
     copy_from_gpt2,
+    copy_from_llama,
+    copy_from_qwen3,
     copy_to_gpt2,
+    copy_to_llama,
+    copy_to_qwen3,
     gpt2_config,
+    llama_config,
     lm_config_from_gpt2,
+    lm_config_from_llama,
+    qwen3_config,
 )
 from transformer_tutorial.language_model import LanguageModel, LMConfig, next_token_loss
-from transformer_tutorial.lm_pieces import LM_ACTIVATIONS
+from transformer_tutorial.lm_pieces import LLAMA, LM_ACTIVATIONS, QWEN3
 from transformer_tutorial.sampling import generate
 
 V, B, T = 50, 3, 16
@@ -37,7 +52,8 @@ def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = 0.3 * torch.randn(p.shape, generator=g)
-            p.copy_(noise + 1.0 if "ln" in name and name.endswith("weight") else noise)
+            norm = "ln" in name or "norm" in name  # GPT-2's ln_*, Llama's *norm, *_layernorm
+            p.copy_(noise + 1.0 if norm and name.endswith("weight") else noise)
     return model.eval()
 
 
@@ -163,3 +179,186 @@ def test_models_of_different_sizes_are_refused(changes, phrase):
     ours = LanguageModel(config(**changes))
     raises(lambda: copy_from_gpt2(ours, gpt2()), ValueError, phrase)
     raises(lambda: copy_to_gpt2(ours, gpt2()), ValueError, phrase)
+
+
+# --- Llama and Qwen3 ------------------------------------------------------------------------
+
+# float32: their attention written out (eager) or sdpa, ours F.sdpa, in other orders; logits of
+# size ~5 differed by up to 2.3e-5 over 24 seeds and configurations (tables of rotary cos/sin
+# copied from theirs: 1.5e-5, so not the angles).
+MODERN_ATOL = 1e-4
+HF = {  # model: (our choices, config function, their class, copy from, copy to)
+    "llama": (LLAMA, llama_config, LlamaForCausalLM, copy_from_llama, copy_to_llama),
+    "qwen3": (QWEN3, qwen3_config, Qwen3ForCausalLM, copy_from_qwen3, copy_to_qwen3),
+}
+
+
+def modern(kind: str, **changes) -> LMConfig:
+    """Grouped-query attention (2 key/value heads for 4 query heads), no dropout."""
+    return config(**(dict(HF[kind][0]) | dict(n_kv_heads=2, dropout=0.0) | changes))
+
+
+def theirs(kind: str, ours: LMConfig, seed: int | None = None, attn: str = "eager"):
+    """Their model of our config, every weight drawn at random (norms around 1) when seeded."""
+    _, make_config, cls, _, _ = HF[kind]
+    hf_config = make_config(ours)
+    hf_config._attn_implementation = attn  # "eager": attention written out, the mask passed in
+    model = cls(hf_config).eval()
+    return model if seed is None else randomized(model, seed)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", HF)
+def test_copy_from_llama_and_qwen3_gives_their_logits(kind, attn, tie, device):
+    ours_config = modern(kind, tie_embeddings=tie)
+    ref = theirs(kind, ours_config, seed=0, attn=attn)
+    ours = LanguageModel(ours_config).eval()
+    HF[kind][3](ours, ref)
+    ours, ref, x = to_device((ours, ref, ids()), device)
+    with torch.no_grad():
+        expected = ref(x).logits
+        got = ours(x)
+    assert expected.abs().max() > 1.0
+    torch.testing.assert_close(got, expected, atol=MODERN_ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("kind", HF)
+def test_copy_to_llama_and_qwen3_gives_our_logits(kind, tie, device):
+    ours = randomized(LanguageModel(modern(kind, tie_embeddings=tie)), 1)
+    ref = theirs(kind, ours.config)
+    HF[kind][4](ours, ref)
+    ours, ref, x = to_device((ours, ref, ids(1)), device)
+    with torch.no_grad():
+        torch.testing.assert_close(ref(x).logits, ours(x), atol=MODERN_ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("kind", HF)
+def test_llama_and_qwen3_copied_there_and_back_give_every_weight_exactly(kind):
+    ours = randomized(LanguageModel(modern(kind, tie_embeddings=False)), 2)
+    ref, back = theirs(kind, ours.config), LanguageModel(ours.config)
+    HF[kind][4](ours, ref)
+    HF[kind][3](back, ref)
+    mine, again = ours.state_dict(), back.state_dict()
+    assert mine.keys() == again.keys() and all(torch.equal(mine[k], again[k]) for k in mine)
+    assert len(mine) == len(ref.state_dict())  # every weight of theirs has a pair
+
+
+@pytest.mark.parametrize(
+    ("kind", "changes"),
+    [("llama", {}), ("llama", {"n_kv_heads": 1}), ("qwen3", {}), ("qwen3", {"window": 5})],
+    ids=["llama-gqa", "llama-mqa", "qwen3", "qwen3-window-5"],
+)
+def test_greedy_generation_with_our_cache_equals_their_generate(kind, changes):
+    """13 new tokens after a prompt of 3: past the window of 5 where there is one."""
+    ref = theirs(kind, modern(kind, **changes), seed=4)
+    ours = LanguageModel(modern(kind, **changes)).eval()
+    HF[kind][3](ours, ref)
+    prompt = ids(4)[:, :3]
+    expected = ref.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=T - 3,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    assert torch.equal(generate(ours, prompt, T - 3, greedy=True), expected)
+
+
+def greedy_left_padded(model: LanguageModel, prompt, padding_mask, n: int) -> torch.Tensor:
+    """Greedy decoding of a left-padded batch with our cache: the mask grows with each token."""
+    logits, cache = model.step(prompt, padding_mask=padding_mask)
+    ids_so_far = prompt
+    for _ in range(n):
+        token = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        ids_so_far = torch.cat([ids_so_far, token], dim=1)
+        padding_mask = torch.cat([padding_mask, torch.zeros_like(token, dtype=torch.bool)], 1)
+        logits, cache = model.step(token, cache, padding_mask=padding_mask)
+    return ids_so_far
+
+
+@pytest.mark.parametrize("kind", HF)
+def test_a_left_padded_batch_decodes_as_their_generate_with_an_attention_mask(kind):
+    """Rows of 6, 4 and 2 real tokens padded on the left: our padding mask (positions counted
+    from each row's first real token) gives the tokens of generate() with attention_mask."""
+    ref = theirs(kind, modern(kind), seed=5)
+    ours = LanguageModel(modern(kind)).eval()
+    HF[kind][3](ours, ref)
+    prompt = ids(5)[:, :6]
+    padding = torch.arange(6) < torch.tensor([[0], [2], [4]])  # (B, 6), True at padding
+    prompt = prompt.masked_fill(padding, 0)
+    expected = ref.generate(
+        prompt,
+        attention_mask=(~padding).long(),
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    assert torch.equal(greedy_left_padded(ours, prompt, padding, 8), expected)
+    alone = generate(ours, prompt[2:, 4:], 8, greedy=True)  # the last row without its padding
+    assert torch.equal(expected[2, 4:], alone[0])
+
+
+def test_llama_and_qwen3_configs_map_both_ways():
+    for ours in (modern("llama"), modern("llama", bias=True, tie_embeddings=True, d_head=6)):
+        assert lm_config_from_llama(llama_config(ours)) == ours
+    for ours in (modern("qwen3"), modern("qwen3", window=4, rope_base=500.0)):
+        assert lm_config_from_llama(qwen3_config(ours)) == ours
+
+
+@pytest.mark.parametrize(
+    ("kind", "changes", "phrase"),
+    [
+        ("llama", {"norm": "layer"}, "Llama has no equivalent of this config; set norm='rms'"),
+        ("llama", {"positions": "learned"}, "set positions='rope'"),
+        ("llama", {"qk_norm": True}, "set qk_norm=False"),
+        ("llama", {"window": 4}, "set window=None"),
+        ("qwen3", {"qk_norm": False}, "Qwen3 has no equivalent of this config; set qk_norm=True"),
+        ("qwen3", {"bias": True}, "set bias=False"),
+        ("qwen3", {"activation": "gelu"}, "activation='swiglu'"),
+    ],
+)
+def test_configs_llama_and_qwen3_cannot_express_are_refused(kind, changes, phrase):
+    _, make_config, _, copy_from, _ = HF[kind]
+    raises(lambda: make_config(modern(kind, **changes)), ValueError, phrase)
+    ours = LanguageModel(modern(kind, **changes))
+    raises(lambda: copy_from(ours, theirs(kind, modern(kind))), ValueError, phrase)
+
+
+@pytest.mark.parametrize(
+    ("changes", "phrase"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+        ({"attention_bias": True}, "attention_bias and mlp_bias must agree"),
+    ],
+)
+def test_llama_configs_ours_cannot_express_are_refused(changes, phrase):
+    raises(lambda: lm_config_from_llama(LlamaConfig(**changes)), ValueError, phrase)
+
+
+def test_a_window_in_some_layers_only_is_refused():
+    hf = Qwen3Config(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    raises(lambda: lm_config_from_llama(hf), ValueError, "max_window_layers=0")
+
+
+@pytest.mark.parametrize(
+    ("changes", "phrase"),
+    [
+        ({"n_kv_heads": 4}, "num_key_value_heads: ours 4, theirs 2"),
+        ({"rope_base": 500.0}, "rope_parameters"),
+        ({"d_ff": 64}, "intermediate_size: ours 64, theirs 48"),
+    ],
+)
+def test_llama_models_of_other_sizes_are_refused(changes, phrase):
+    ours = LanguageModel(modern("llama", **changes))
+    raises(lambda: copy_from_llama(ours, theirs("llama", modern("llama"))), ValueError, phrase)
+    raises(lambda: copy_to_llama(ours, theirs("llama", modern("llama"))), ValueError, phrase)
+
+
+def test_the_other_family_is_refused():
+    ours = LanguageModel(modern("qwen3"))
+    raises(lambda: copy_from_llama(ours, theirs("qwen3", ours.config)), TypeError, "a Llama")
