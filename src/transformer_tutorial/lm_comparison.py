@@ -30,7 +30,7 @@ import torch
 from tokenizers import Tokenizer
 
 from transformer_tutorial import data
-from transformer_tutorial.checks import check_int, check_number
+from transformer_tutorial.checks import check_int, check_number, check_optional_int
 from transformer_tutorial.language_model import LanguageModel, LMConfig, next_token_loss
 from transformer_tutorial.lm_pieces import LLAMA
 from transformer_tutorial.records import cpu_name, git_commit
@@ -82,20 +82,28 @@ def train_for(
     val_batch: torch.Tensor,
     *,
     seconds: float,
+    max_steps: int | None = None,
     evaluations: int = 10,
     max_tokens: int = 1024,
     lr: float = 3e-3,
     warmup: int = 30,
     seed: int = 0,
 ) -> dict:
-    """Train ``model`` for ``seconds`` of training time (validation not counted) with chapter
-    13's recipe; the learning rate decays linearly to 10% over the *time* budget.
+    """Train ``model`` for ``seconds`` of training time (validation not counted), or
+    ``max_steps`` steps if that comes first, with chapter 13's recipe; the learning rate decays
+    linearly to 10% over the budget (the time, or the steps), and the validation loss is
+    measured ``evaluations`` times along it.
 
     Returns ``{"steps", "tokens", "train_seconds", "cpu_seconds", "val": [[seconds, step,
     loss], ...], "train": [mean loss of each block of steps between evaluations]}``.
     """
     check_number("seconds", seconds, low=0.0, low_open=True)
     check_int("evaluations", evaluations, at_least=1)
+    check_optional_int("max_steps", max_steps, at_least=1)
+
+    def progress() -> float:  # the share of the budget used
+        return max(elapsed / seconds, 0.0 if max_steps is None else step / max_steps)
+
     torch.manual_seed(seed)
     lengths = [len(s) for s in train_ids]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -104,13 +112,13 @@ def train_for(
     elapsed, cpu_start, block = 0.0, time.process_time(), []
     batches: list = []
     model.train()
-    while elapsed < seconds:
+    while progress() < 1.0:
         if not batches:  # a new epoch of length-bucketed batches
             g = torch.Generator().manual_seed(seed + step)
             batches = list(data.token_batches(lengths, max_tokens, generator=g))
         start = time.perf_counter()
         for group in optimizer.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / warmup) * max(0.1, 1 - elapsed / seconds)
+            group["lr"] = lr * min(1.0, (step + 1) / warmup) * max(0.1, 1 - progress())
         batch = data.pad_batch([train_ids[i] for i in batches.pop()])
         loss = next_token_loss(model(batch), batch, ignore_index=data.PAD_ID)
         optimizer.zero_grad()
@@ -120,7 +128,7 @@ def train_for(
         elapsed += time.perf_counter() - start
         step, tokens = step + 1, tokens + int((batch != data.PAD_ID).sum())
         block.append(loss.item())
-        if elapsed >= seconds * len(history["val"]) / evaluations or elapsed >= seconds:
+        if progress() >= min(1.0, len(history["val"]) / evaluations):
             history["val"].append([round(elapsed, 2), step, validation_loss(model, val_batch)])
             history["train"].append(sum(block) / len(block))
             block = []

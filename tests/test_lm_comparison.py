@@ -1,0 +1,100 @@
+"""lm_comparison: the two compared models hold the same number of weights and differ only in
+their choices; train_for keeps its budget (steps or seconds), lowers the loss and records it;
+records merge; bad names are refused. (The corpus run itself: chapter 17 and its record.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import raises
+from transformer_tutorial import data
+from transformer_tutorial.language_model import LanguageModel, LMConfig
+from transformer_tutorial.lm_comparison import (
+    COMPARED,
+    comparison_config,
+    main,
+    train_for,
+)
+
+V = 40
+
+
+def sentences(n: int, seed: int = 0) -> list[list[int]]:
+    """``<bos>`` and a run of counting tokens ``<eos>``: easy to learn."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        start, length = torch.randint(4, 20, (1,), generator=g).item(), 6
+        rows.append([data.BOS_ID, *range(start, start + length), data.EOS_ID])
+    return rows
+
+
+def test_both_sides_hold_the_same_weights_and_differ_only_in_their_choices():
+    gpt2, llama = (comparison_config(name, 2000) for name in ("gpt2", "llama"))
+    with torch.device("meta"):
+        counts = [LanguageModel(c).num_parameters() for c in (gpt2, llama)]
+    assert abs(counts[0] - counts[1]) / counts[0] < 0.01, counts
+    assert gpt2 == LMConfig(
+        vocab_size=2000, d_model=96, n_heads=4, n_layers=2, d_ff=384, max_len=80, dropout=0.1
+    )  # chapter 13's model
+    same = ("d_model", "n_heads", "n_layers", "max_len", "dropout", "tie_embeddings")
+    assert all(getattr(gpt2, k) == getattr(llama, k) for k in same)
+    assert (llama.norm, llama.activation, llama.positions, llama.attention) == (
+        "rms",
+        "swiglu",
+        "rope",
+        "gqa",
+    )
+
+
+def test_train_for_keeps_a_step_budget_and_lowers_the_loss():
+    torch.manual_seed(0)
+    model = LanguageModel(
+        LMConfig(vocab_size=V, d_model=32, n_heads=4, n_layers=1, d_ff=64, max_len=16, dropout=0.0)
+    )
+    val = data.pad_batch(sentences(20, seed=1))
+    result = train_for(
+        model, sentences(200), val, seconds=60.0, max_steps=120, evaluations=4, max_tokens=128
+    )
+    assert result["steps"] == 120 and len(result["val"]) == 5 and len(result["train"]) == 4
+    steps = [s for _, s, _ in result["val"]]
+    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == 120
+    first, last = result["val"][0][2], result["val"][-1][2]
+    assert last < first - 1.0, (first, last)
+    assert not model.training
+
+
+def test_train_for_keeps_a_time_budget():
+    model = LanguageModel(
+        LMConfig(vocab_size=V, d_model=16, n_heads=2, n_layers=1, d_ff=32, max_len=16)
+    )
+    val = data.pad_batch(sentences(4, seed=1))
+    result = train_for(model, sentences(50), val, seconds=0.3, evaluations=2, max_tokens=64)
+    assert result["train_seconds"] >= 0.3 and result["steps"] >= 1
+    assert result["val"][-1][0] >= 0.3
+
+
+def test_records_merge(tmp_path):
+    paths = []
+    for name in COMPARED:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"seconds": 1.0, "runs": {name: {"steps": 3}}}))
+        paths.append(path)
+    main(["--merge", *map(str, paths), "--out", str(tmp_path / "both.json")])
+    merged = json.loads((tmp_path / "both.json").read_text())
+    assert merged["seconds"] == 1.0 and set(merged["runs"]) == set(COMPARED)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"),
+    [
+        (lambda: comparison_config("gpt3", 10), ValueError, "name must be one of"),
+        (lambda: train_for(None, [], None, seconds=0.0), ValueError, "seconds must be"),
+        (lambda: train_for(None, [], None, seconds=1.0, max_steps=0), ValueError, "max_steps"),
+    ],
+)
+def test_bad_input_is_refused(call, error, phrase):
+    raises(call, error, phrase)
