@@ -72,10 +72,11 @@ def test_find_checkpoint_prefers_base_then_small_then_chapter10(cache):
 
 
 @pytest.mark.parametrize(
-    ("device", "name", "minutes"), [("cpu", "chapter10", 2.0), ("cuda", "small", 10.0)]
+    ("device", "name", "steps", "minutes"),
+    [("cpu", "chapter10", 600, 10.0), ("cuda", "small", None, 10.0)],
 )
 def test_train_for_chapter_picks_its_recipe_from_the_hardware(
-    cache, monkeypatch, device, name, minutes
+    cache, monkeypatch, device, name, steps, minutes
 ):
     calls = []
 
@@ -95,8 +96,12 @@ def test_train_for_chapter_picks_its_recipe_from_the_hardware(
     assert kwargs["out_dir"] == runs_dir() / name
     options = kwargs["options"]
     assert options.max_minutes == minutes and torch.device(options.device).type == device
+    assert options.max_steps == steps  # on a CPU a step budget: the same run on every machine
     command = kwargs["command"]
     assert command[:5] == ["python", "-m", "transformer_tutorial.train", "--config", name]
     assert command[command.index("--max-minutes") + 1] == f"{minutes:g}"
+    assert ("--max-steps" in command) == (steps is not None)
+    if steps is not None:
+        assert command[command.index("--max-steps") + 1] == str(steps)
     train_for_chapter(device=device, max_minutes=0.5)
     assert calls[-1][1]["options"].max_minutes == 0.5
