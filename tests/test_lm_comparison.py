@@ -81,11 +81,13 @@ def test_records_merge(tmp_path):
     paths = []
     for name in COMPARED:
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps({"seconds": 1.0, "runs": {name: {"steps": 3}}}))
+        record = {"command": ["--model", name], "seconds": 1.0, "runs": {name: {"steps": 3}}}
+        path.write_text(json.dumps(record))
         paths.append(path)
     main(["--merge", *map(str, paths), "--out", str(tmp_path / "both.json")])
     merged = json.loads((tmp_path / "both.json").read_text())
     assert merged["seconds"] == 1.0 and set(merged["runs"]) == set(COMPARED)
+    assert merged["commands"] == [["--model", name] for name in COMPARED]
 
 
 @pytest.mark.parametrize(

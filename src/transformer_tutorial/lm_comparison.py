@@ -180,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.merge:
         runs = [json.loads(p.read_text()) for p in args.merge]
-        merged = {k: v for k, v in runs[0].items() if k != "runs"}
+        merged = {k: v for k, v in runs[0].items() if k not in ("runs", "command")}
+        merged["commands"] = [run["command"] for run in runs]  # one process per model
         merged["runs"] = {k: v for run in runs for k, v in run["runs"].items()}
         args.out.write_text(json.dumps(merged, indent=1) + "\n")
         return
