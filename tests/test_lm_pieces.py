@@ -1,0 +1,74 @@
+"""lm_pieces: each factory builds the piece its name chooses, with the config's sizes and eps;
+rotary positions add nothing to the embeddings and enter attention as a module hook; the LLAMA
+and QWEN3 choices are fixed and valid. (The whole model with each choice:
+test_language_model.py; equal to transformers' models: test_hf_weights.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformer_tutorial.attention import MultiHeadAttention
+from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
+from transformer_tutorial.feed_forward import SwiGLU
+from transformer_tutorial.grouped_attention import GroupedQueryAttention
+from transformer_tutorial.language_model import LMConfig
+from transformer_tutorial.layers import FeedForward, LayerNorm
+from transformer_tutorial.lm_pieces import (
+    LLAMA,
+    QWEN3,
+    LearnedPositionalEmbedding,
+    PositionsInAttention,
+    make_attention,
+    make_feed_forward,
+    make_norm,
+    make_positions,
+)
+from transformer_tutorial.norms import RMSNorm
+from transformer_tutorial.rotary import RotaryPositions
+
+SIZES = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=1, d_ff=24, max_len=8)
+
+
+def config(**changes) -> LMConfig:
+    return LMConfig(**(SIZES | changes))
+
+
+def test_norms_carry_the_configs_eps():
+    layer, rms = make_norm(config(layer_norm_eps=1e-3)), make_norm(config(norm="rms"))
+    assert isinstance(layer, LayerNorm) and layer.eps == 1e-3
+    assert isinstance(rms, RMSNorm) and rms.eps == 1e-5 and rms.weight.shape == (16,)
+
+
+def test_feed_forwards_follow_activation_and_bias():
+    ff = make_feed_forward(config(activation="relu"))
+    assert isinstance(ff, FeedForward) and ff.linear1.bias is not None
+    swiglu = make_feed_forward(config(activation="swiglu"))
+    assert isinstance(swiglu, SwiGLU) and swiglu.gate_proj.weight.shape == (24, 16)
+    assert swiglu.gate_proj.bias is not None  # bias=True, GPT-2's default, reaches it
+    assert make_feed_forward(config(activation="swiglu", bias=False)).up_proj.bias is None
+
+
+def test_positions_and_attention_by_name():
+    assert isinstance(make_positions(config()), LearnedPositionalEmbedding)
+    assert isinstance(make_positions(config(positions="sinusoidal")), SinusoidalPositionalEncoding)
+    assert isinstance(make_attention(config()), MultiHeadAttention)
+    rope = config(attention="gqa", positions="rope", n_kv_heads=2, d_head=6, window=3)
+    none_added = make_positions(rope).eval()
+    x = torch.randn(2, 5, 16)
+    assert isinstance(none_added, PositionsInAttention) and torch.equal(none_added(x, 3), x)
+    attn = make_attention(rope)
+    assert isinstance(attn, GroupedQueryAttention) and isinstance(attn.positions, RotaryPositions)
+    assert (attn.n_kv_heads, attn.d_head, attn.window) == (2, 6, 3)
+    assert attn.positions.rotary.max_len == 8 and attn.q_norm is None
+    plain = make_attention(config(attention="gqa"))
+    assert plain.positions is None and plain.n_kv_heads == 4 and plain.q_proj.bias is not None
+
+
+def test_llama_and_qwen3_choices_are_fixed_and_valid():
+    with pytest.raises(TypeError):
+        LLAMA["norm"] = "layer"  # type: ignore[index]
+    llama, qwen3 = config(**LLAMA), config(**QWEN3)
+    assert set(QWEN3.items()) - set(LLAMA.items()) == {("qk_norm", True)}
+    assert not llama.bias and not llama.tie_embeddings and qwen3.qk_norm
+    assert isinstance(make_attention(qwen3).q_norm, RMSNorm)
