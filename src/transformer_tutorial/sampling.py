@@ -97,8 +97,13 @@ def next_token(
     if greedy:
         return logits.argmax(dim=-1)
     filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    probs = torch.softmax(filtered.float(), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # The Gumbel-max trick: argmax(log p + G) with G = -log(-log U) is a sample from p. It
+    # draws with torch.rand, whose stream a seed fixes on every torch release (that of
+    # torch.multinomial changed between 2.6 and 2.13), so a seeded sample is the same anywhere.
+    log_probs = torch.log_softmax(filtered.float(), dim=-1)  # (B, V), -inf where filtered out
+    u = torch.rand(log_probs.shape, generator=generator, device=log_probs.device)
+    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+    return (log_probs + gumbel).argmax(dim=-1)
 
 
 @torch.no_grad()
