@@ -72,20 +72,35 @@ def test_translating_does_not_import_the_trainer(package_imports):
 # --- bad inputs: one line, exit 1, nothing on standard output -----------------------------------
 
 
-def one_line_error(capsys, argv: list[str]) -> str:
-    """Run the command in-process; it must fail with one ``error: ...`` line and no output."""
-    code = translate_cli.main(argv)
+def one_line_error(capsys, argv: list[str], code: int = 1) -> str:
+    """Run the command in-process; it must fail with one ``error: ...`` line, no output and
+    exit status ``code`` (2: the parser refused a flag; 1: the input or the files)."""
+    try:
+        got = translate_cli.main(argv)
+    except SystemExit as stop:  # the parser's refusal
+        got = stop.code
     out, err = capsys.readouterr()
-    assert code == 1 and not out, out
+    assert got == code and not out, out
     assert err.count("\n") == 1 and err.startswith("error: "), err
     return err
 
 
+FLAG_ROWS = [
+    (["--beam", "0"], "error: argument --beam: must be at least 1, got 0"),
+    (["--max-len", "0"], "error: argument --max-len: must be at least 1, got 0"),
+    (["--alpha", "-1"], "error: argument --alpha: must be at least 0.0, got -1.0"),
+    (["--alpha", "inf"], "error: argument --alpha: must be at least 0.0, got inf"),
+    (["--device", "bogus"], "error: argument --device: device 'bogus' is not a device name"),
+]
+
+
+@pytest.mark.parametrize(("argv", "phrase"), FLAG_ROWS, ids=str)
+def test_bad_flags_are_refused_by_the_parser(tiny_checkpoint, capsys, argv, phrase):
+    argv = ["--checkpoint", str(tiny_checkpoint), *argv, "Ein Hund."]
+    assert one_line_error(capsys, argv, code=2).startswith(phrase)
+
+
 TRANSLATE_CLI_ROWS = [
-    (["--beam", "0", "Ein Hund."], None, "--beam must be at least 1, got 0"),
-    (["--max-len", "0", "Ein Hund."], None, "--max-len must be at least 1, got 0"),
-    (["--alpha", "-1", "Ein Hund."], None, "--alpha must be at least 0, got -1.0"),
-    (["--device", "bogus", "Ein Hund."], None, "--device: device 'bogus'"),
     ([], b"Ein \xff Hund\n", "standard input is not UTF-8 text (byte 0xff at offset 4)"),
     ([], b"", "no text: pass German sentences"),
     ([], b"Ein Hund.\n\nEine Katze.\n", "line 2 is empty"),

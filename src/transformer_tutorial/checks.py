@@ -1,10 +1,17 @@
 """Argument checks shared by the package: each raises an error that names the argument, the value
-it got, and what would be valid, before PyTorch fails somewhere deeper."""
+it got, and what would be valid, before PyTorch fails somewhere deeper. The command lines use the
+same checks through :class:`ArgumentParser` and its converters (:func:`int_arg`,
+:func:`number_arg`, :func:`device_arg`): one way to check an argument, in Python or in a shell.
+"""
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NoReturn
+
+from transformer_tutorial.runtime import check_device
 
 
 def check_int(name: str, value: object, *, at_least: int | None = None) -> None:
@@ -12,7 +19,11 @@ def check_int(name: str, value: object, *, at_least: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if at_least is not None and value < at_least:
-        raise ValueError(f"{name} must be at least {at_least}, got {value}")
+        raise ValueError(f"{name} {_too_small(value, at_least)}")
+
+
+def _too_small(value: float, at_least: float) -> str:
+    return f"must be at least {at_least}, got {value}"
 
 
 def check_optional_int(name: str, value: object, *, at_least: int) -> None:
@@ -33,14 +44,24 @@ def check_number(
     """``value`` must be a finite real number in ``[low, high]`` (ends open where asked)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    problem = _out_of_range(value, low, high, low_open=low_open, high_open=high_open)
+    if problem:
+        raise ValueError(f"{name} {problem}")
+
+
+def _out_of_range(
+    value: float, low: float, high: float, *, low_open: bool, high_open: bool
+) -> str | None:
+    """What is wrong with ``value`` for the range, or None when it lies inside."""
     below = value <= low if low_open else value < low
     above = value >= high if high_open else value > high
-    if math.isnan(value) or below or above:
-        if math.isinf(high):
-            valid = f"{'greater than' if low_open else 'at least'} {low}"
-        else:
-            valid = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise ValueError(f"{name} must be {valid}, got {value}")
+    if not (math.isnan(value) or below or above):
+        return None
+    if math.isinf(high):
+        valid = f"{'greater than' if low_open else 'at least'} {low}"
+    else:
+        valid = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    return f"must be {valid}, got {value}"
 
 
 def check_bool(name: str, value: object) -> None:
@@ -64,3 +85,56 @@ def check_texts(name: str, texts: object) -> None:
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise TypeError(f"{name}[{i}] must be a str, got {type(text).__name__}")
+
+
+# --- command lines ----------------------------------------------------------------------------
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose mistakes are one line, ``error: argument --beam: must be at least
+    1, got 0``, on standard error and exit status 2 (argparse's own), with no usage block: every
+    command line of the package fails this way before it starts any work."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}\n")
+
+
+def int_arg(*, at_least: int) -> Callable[[str], int]:
+    """An argparse ``type``: the text as an int ``>= at_least``."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+        if value < at_least:
+            raise argparse.ArgumentTypeError(_too_small(value, at_least))
+        return value
+
+    return convert
+
+
+def number_arg(*, low: float, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: the text as a finite float ``>= low`` (``> low`` if ``low_open``)."""
+
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        problem = _out_of_range(value, low, math.inf, low_open=low_open, high_open=True)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    return convert
+
+
+def device_arg(text: str) -> str:
+    """An argparse ``type``: a device this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``),
+    checked by :func:`transformer_tutorial.runtime.check_device`; returned as the text."""
+    try:
+        check_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text

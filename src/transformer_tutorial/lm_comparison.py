@@ -15,7 +15,6 @@ Shapes: sentences are lists of ids ``<bos> … <eos>``; batches ``(B, T)`` padde
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -30,7 +29,14 @@ import torch
 from tokenizers import Tokenizer
 
 from transformer_tutorial import data
-from transformer_tutorial.checks import check_int, check_number, check_optional_int
+from transformer_tutorial.checks import (
+    ArgumentParser,
+    check_int,
+    check_number,
+    check_optional_int,
+    int_arg,
+    number_arg,
+)
 from transformer_tutorial.language_model import LanguageModel, LMConfig, next_token_loss
 from transformer_tutorial.lm_pieces import LLAMA
 from transformer_tutorial.records import cpu_name, git_commit
@@ -171,10 +177,10 @@ def load_comparison_record() -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(COMPARED))
-    parser.add_argument("--seconds", type=float, default=600.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seconds", type=number_arg(low=0.0, low_open=True), default=600.0)
+    parser.add_argument("--seed", type=int_arg(at_least=0), default=0)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--merge", type=Path, nargs="+", help="records to join into --out")
     args = parser.parse_args(argv)

@@ -27,16 +27,18 @@ import torch
 
 from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import CheckpointError, load_checkpoint
+from transformer_tutorial.checks import ArgumentParser, device_arg, int_arg, number_arg
 from transformer_tutorial.configs import CONFIGS, RunOptions, TrainConfig
 from transformer_tutorial.data import DatasetUnavailableError
 from transformer_tutorial.precision import PRECISIONS
+from transformer_tutorial.records import describe_run
 from transformer_tutorial.runs import run_experiment
 from transformer_tutorial.runtime import get_device
 from transformer_tutorial.trainer import TrainingInterrupted
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m transformer_tutorial.train",
         description="Train the Transformer on Multi30k German→English, "
         "then score it with BLEU on test2016. On N GPUs: "
@@ -61,19 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-minutes",
-        type=float,
+        type=number_arg(low=0.0, low_open=True),
         default=None,
         help="stop training after this many minutes, then checkpoint and evaluate",
     )
     parser.add_argument(
         "--max-steps",
-        type=int,
+        type=int_arg(at_least=1),
         default=None,
         help="stop when this many optimizer steps have been taken in all (resumed runs included)",
     )
     parser.add_argument(
         "--epochs",
-        type=int,
+        type=int_arg(at_least=1),
         default=None,
         help="train at most this many epochs; default: the config's",
     )
@@ -83,11 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in --out from its last.pt, exactly where it stopped",
     )
     parser.add_argument(
-        "--device", default=None, help="cpu, cuda, cuda:1, mps…; default: the best available"
+        "--device",
+        type=device_arg,
+        default=None,
+        help="cpu, cuda, cuda:1, mps…; default: the best available",
     )
     parser.add_argument(
         "--seed",
-        type=int,
+        type=int_arg(at_least=0),
         default=0,
         help="seed for initialisation, dropout and batch order; default: %(default)s",
     )
@@ -105,26 +110,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=int_arg(at_least=1),
         default=None,
         help="CPU threads for PyTorch; default: PyTorch's choice",
     )
     parser.add_argument(
         "--eval-size",
-        type=int,
+        type=int_arg(at_least=1),
         default=None,
         help="score BLEU on the first N test sentences only; "
         "default: the config's (all for small and base)",
     )
     parser.add_argument(
         "--beam",
-        type=int,
+        type=int_arg(at_least=1),
         default=None,
         help="beam size for the BLEU evaluation; default: the config's",
     )
     parser.add_argument(
         "--average-last",
-        type=int,
+        type=int_arg(at_least=1),
         default=None,
         help="score the mean of the weights of the last N checkpoints (1: best.pt); "
         "default: the config's (5 for small)",
@@ -140,25 +145,16 @@ class UsageError(Exception):
 
 
 def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions, Path]:
-    """Check every argument and the output folder before anything runs, so that no hour of
-    training ends in a bad ``--beam``."""
+    """The recipe, the options and the output folder, the folder checked before anything runs
+    (the flags were checked by the parser), so that no hour of training ends in a bad folder."""
     overrides = {
         "epochs": args.epochs,
         "eval_size": args.eval_size,
         "beam_size": args.beam,
         "average_last": args.average_last,
     }
-    flags = {
-        "average_last": "--average-last",
-        "epochs": "--epochs",
-        "eval_size": "--eval-size",
-        "beam_size": "--beam",
-        "seed": "--seed",
-        "max_steps": "--max-steps",
-        "max_minutes": "--max-minutes",
-        "device": "--device",
-        "precision": "--precision",
-    }
+    # Each flag was checked by the parser (checks.py's converters); what only the recipe and
+    # the options can check together (a precision this device lacks…) is checked here.
     try:
         config = replace(
             CONFIGS[args.config], **{k: v for k, v in overrides.items() if v is not None}
@@ -173,13 +169,8 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions, Path]:
             precision=args.precision,
             compile=args.compile,
         )
-    except (TypeError, ValueError) as err:  # the checks name the field: say the flag
-        message = str(err)
-        for field, flag in flags.items():
-            message = message.replace(f"{field} must", f"{flag} must", 1)
-        raise UsageError(message) from None
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {args.threads}")
+    except (TypeError, ValueError) as err:
+        raise UsageError(str(err)) from None
     out_dir = args.out or Path("runs") / args.config
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} is a file; name a folder for the run")
@@ -235,20 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         distributed.teardown()
     if record is None:  # a rank other than 0: rank 0 reports
         return 0
-    scores = record.test2016
-    print(
-        f"{record.steps} steps, {record.train_time_s / 60:.1f} min, "
-        f"stopped by {record.stopped_by}; "
-        f"best val loss {record.best['val_loss']:.3f} at step {record.best['step']}"
-    )
-    for name in ("greedy", record.beam_name):
-        print(
-            f"test2016 {name}: BLEU {scores[name]['score']:.2f}, "
-            f"lowercased {scores[name]['lowercase']:.2f}"
-        )
-    if record.averaged:
-        alone = record.averaged["best_test2016"][record.beam_name]["score"]
-        print(f"scored {record.weights}; best.pt alone: {record.beam_name} BLEU {alone:.2f}")
+    print(describe_run(record))  # the record in a few lines, as chapter 10 shows it
     print(f"record: {out_dir / 'record.json'}")
     return 0
 

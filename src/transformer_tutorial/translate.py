@@ -11,18 +11,18 @@ One translation a line, in the order given.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from transformer_tutorial.checkpoint import CheckpointError, load_model
+from transformer_tutorial.checks import ArgumentParser, device_arg, int_arg, number_arg
 from transformer_tutorial.decode import BEAM_ALPHA, EXTRA_DECODE_TOKENS, translate_sentences
 from transformer_tutorial.runtime import get_device
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="python -m transformer_tutorial.translate",
         description="Translate German sentences into English with a checkpoint written by "
         "transformer_tutorial.train. Reads one sentence a line from standard "
@@ -39,13 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--beam",
-        type=int,
+        type=int_arg(at_least=1),
         default=5,
         help="beam size; 1 means greedy search; default: %(default)s",
     )
     parser.add_argument(
         "--max-len",
-        type=int,
+        type=int_arg(at_least=1),
         default=None,
         help="at most this many tokens a translation; "
         f"default: {EXTRA_DECODE_TOKENS} more than the source, "
@@ -53,13 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--alpha",
-        type=float,
+        type=number_arg(low=0.0),
         default=BEAM_ALPHA,
         help="length penalty exponent of beam search, "
         "((5 + length) / 6) ** alpha; default: %(default)s",
     )
     parser.add_argument(
-        "--device", default=None, help="cpu, cuda, mps…; default: the best available"
+        "--device",
+        type=device_arg,
+        default=None,
+        help="cpu, cuda, mps…; default: the best available",
     )
     return parser
 
@@ -71,16 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 1
 
-    if args.beam < 1:
-        return fail(f"--beam must be at least 1, got {args.beam}")
-    if args.max_len is not None and args.max_len < 1:
-        return fail(f"--max-len must be at least 1, got {args.max_len}")
-    if not args.alpha >= 0:
-        return fail(f"--alpha must be at least 0, got {args.alpha}")
-    try:
-        device = get_device(args.device)
-    except ValueError as err:
-        return fail(f"--device: {err}")
+    device = get_device(args.device)  # the parser checked the flags (checks.py's converters)
     if args.text:
         sentences, where = args.text, "argument"
     else:
