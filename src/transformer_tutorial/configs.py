@@ -83,7 +83,7 @@ class TrainConfig:
         return replace(self.model, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
 
 
-def translator(vocab_size: int = 8000, **sizes) -> TransformerConfig:
+def translator_config(vocab_size: int = 8000, **sizes) -> TransformerConfig:
     """A translator with one joint vocabulary: shared, tied embeddings, pre-norm; ``sizes``
     override :class:`TransformerConfig`'s fields (its defaults are the paper's base model)."""
     defaults = dict(
@@ -105,7 +105,7 @@ CONFIGS = {
     # Seconds on a CPU: for tests and CI. Learns little.
     "tiny": TrainConfig(
         "tiny",
-        translator(
+        translator_config(
             500,
             d_model=32,
             n_heads=2,
@@ -130,7 +130,7 @@ CONFIGS = {
     # higher learning rate.
     "chapter10": TrainConfig(
         "chapter10",
-        translator(
+        translator_config(
             d_model=128, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=512, dropout=0.0
         ),
         max_tokens=1000,
@@ -145,11 +145,13 @@ CONFIGS = {
     # batches of 3,000 tokens and a 400-step warm-up, so that the few thousand steps an hour
     # allows are not half spent warming up. The validation loss is flat over the last third of
     # the hour, so the mean of the last 5 checkpoints (200 steps apart) is scored, as in the paper.
-    "small": TrainConfig("small", translator(), max_tokens=3000, warmup=400, average_last=5),
+    "small": TrainConfig(
+        "small", translator_config(), max_tokens=3000, warmup=400, average_last=5
+    ),
     # The paper's base model and schedule (Table 3, section 5.3), for a GPU.
     "base": TrainConfig(
         "base",
-        translator(
+        translator_config(
             d_model=512,
             n_heads=8,
             n_encoder_layers=6,

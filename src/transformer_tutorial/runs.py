@@ -64,12 +64,12 @@ def _prepare_data(
     distributed.barrier()  # the other ranks read the tokenizer rank 0 wrote
     tokenizer = load_tokenizer(tokenizer_path)
     max_len = config.model.max_len
-    fits = [
+    train_pairs = [  # the pairs that fit the model's max_len
         (s, t)
         for s, t in encode_pairs(tokenizer, train_src, train_tgt)
         if len(s) <= max_len and len(t) + 1 <= max_len
     ]
-    return tokenizer, fits, encode_pairs(tokenizer, val_src, val_tgt)
+    return tokenizer, train_pairs, encode_pairs(tokenizer, val_src, val_tgt)
 
 
 def _score(
@@ -131,11 +131,11 @@ def run_experiment(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(options.device)
-    tokenizer, fits, val_pairs = _prepare_data(config, out_dir, options.resume)
+    tokenizer, train_pairs, val_pairs = _prepare_data(config, out_dir, options.resume)
     test_src, test_tgt = (side[: config.eval_size] for side in load_split("test"))
     model, state = fit(
         config,
-        fits,
+        train_pairs,
         val_pairs,
         vocab_size=tokenizer.get_vocab_size(),
         out_dir=out_dir,
@@ -165,7 +165,7 @@ def run_experiment(
         finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         seed=options.seed,
         parameters=sum(p.numel() for p in model.parameters()),
-        train_pairs=len(fits),
+        train_pairs=len(train_pairs),
         steps=state.step,
         epochs_completed=state.epoch,
         stopped_by=state.stopped_by,
