@@ -124,7 +124,7 @@ def test_swiglu_of_eight_thirds_d_costs_what_the_4d_relu_layer_costs():
     assert _flops(relu, x) == _flops(swiglu, x) == 2 * 16 * 8 * d_model**2
 
 
-@pytest.mark.parametrize("kind", ["relu", "gelu", "swiglu"])
+@pytest.mark.parametrize("kind", ["relu", "gelu", "gelu_tanh", "swiglu"])
 def test_build_feed_forward_chooses_the_layer(kind):
     torch.manual_seed(0)
     ff = build_feed_forward(kind, 16, 40, dropout=0.25)
@@ -134,8 +134,12 @@ def test_build_feed_forward_chooses_the_layer(kind):
         expected = ff.down_proj(F.silu(ff.gate_proj(x)) * ff.up_proj(x))
     else:
         assert type(ff) is FeedForward and ff.linear1.out_features == 40
-        act = {"relu": F.relu, "gelu": F.gelu}[kind]
-        expected = ff.linear2(act(ff.linear1(x)))
+        act = {
+            "relu": F.relu,
+            "gelu": F.gelu,
+            "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+        }
+        expected = ff.linear2(act[kind](ff.linear1(x)))
     assert ff.dropout.p == 0.25
     with torch.no_grad():
         torch.testing.assert_close(ff.eval()(x), expected)

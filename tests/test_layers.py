@@ -116,7 +116,7 @@ def test_feed_forward_dropout_only_in_training():
 
 def test_feed_forward_rejects_unknown_activation():
     with pytest.raises(
-        ValueError, match=r"activation must be one of \['gelu', 'relu'\], got 'swish'"
+        ValueError, match=r"activation must be one of \['gelu', 'gelu_tanh', 'relu'\], got 'swish'"
     ):
         FeedForward(8, 32, activation="swish")
 

@@ -1,7 +1,8 @@
 """lm_pieces: each factory builds the piece its name chooses, with the config's sizes and eps;
 rotary positions add nothing to the embeddings and enter attention as a module hook; the LLAMA
 and QWEN3 choices are fixed and valid. (The whole model with each choice:
-test_language_model.py; equal to transformers' models: test_hf_weights.py.)"""
+test_language_model.py; equal to transformers' models: test_gpt2_weights.py,
+test_hf_weights.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
 from transformer_tutorial.feed_forward import SwiGLU
 from transformer_tutorial.grouped_attention import GroupedQueryAttention
 from transformer_tutorial.language_model import LMConfig
-from transformer_tutorial.layers import FeedForward, LayerNorm
+from transformer_tutorial.layers import ACTIVATIONS, FeedForward, LayerNorm
 from transformer_tutorial.lm_pieces import (
     LLAMA,
     QWEN3,
@@ -43,6 +44,8 @@ def test_norms_carry_the_configs_eps():
 def test_feed_forwards_follow_activation_and_bias():
     ff = make_feed_forward(config(activation="relu"))
     assert isinstance(ff, FeedForward) and ff.linear1.bias is not None
+    gpt2 = make_feed_forward(config(dropout=0.25))  # the default: GPT-2's tanh GELU
+    assert gpt2.activation is ACTIVATIONS["gelu_tanh"] and gpt2.dropout.p == 0.25
     swiglu = make_feed_forward(config(activation="swiglu"))
     assert isinstance(swiglu, SwiGLU) and swiglu.gate_proj.weight.shape == (24, 16)
     assert swiglu.gate_proj.bias is not None  # bias=True, GPT-2's default, reaches it

@@ -15,9 +15,10 @@ are ``train`` and ``translate``; ``runtime`` picks the device and seeds. Chapter
 ``torchrun``), which the trainer uses.
 
 From 2017 to today (chapters 13–17), each modern change a small switchable piece:
-``language_model`` (the decoder alone, GPT; its factories choose the pieces below), ``sampling``
-(temperature, top-k, top-p, ``generate``), ``hf_weights`` (weights to and from ``transformers``'
-models), ``norms`` (RMSNorm), ``feed_forward`` (SwiGLU), ``rotary`` (rotary position
+``language_model`` (the decoder alone, GPT), its layer ``lm_layer`` and ``lm_pieces`` (the
+factories that choose the pieces below), ``sampling`` (temperature, top-k, top-p, ``generate``),
+``gpt2_weights`` and ``hf_weights`` (weights to and from ``transformers``' GPT-2; Llama and
+Qwen3), ``norms`` (RMSNorm), ``feed_forward`` (SwiGLU), ``rotary`` (rotary position
 embeddings, three layouts), ``grouped_attention`` (grouped-query attention, QK-norm, sliding
 windows, the KV cache's bytes). ``flops`` counts a step's floating-point operations, ``checks``
 validates arguments, ``plotting`` draws the book's figures.

@@ -1,5 +1,6 @@
 """Chapter 14: the SwiGLU feed-forward layer, its hidden size, and the switch between it and the
-paper's ReLU/GELU layer (:class:`transformer_tutorial.layers.FeedForward`).
+paper's ReLU/GELU layer (:class:`transformer_tutorial.layers.FeedForward`): the one switch the
+language model's factory (:func:`transformer_tutorial.lm_pieces.make_feed_forward`) calls.
 
 Shapes: ``(B, L, D)`` → ``(B, L, D)``, each position independently; ``F`` is the hidden width
 (``d_ff``).
@@ -72,10 +73,11 @@ FEED_FORWARDS = (*ACTIVATIONS, "swiglu")
 def build_feed_forward(
     kind: str, d_model: int, d_ff: int, *, dropout: float = 0.0, bias: bool | None = None
 ) -> FeedForward | SwiGLU:
-    """The feed-forward layer: an activation of ``layers.ACTIVATIONS`` (``"relu"``, ``"gelu"``:
-    the paper's layer) or ``"swiglu"``. ``d_ff`` is the hidden width either way: a SwiGLU layer
-    of ``d_ff`` = 8/3 · D has the weights of a ReLU layer of 4 · D. ``bias=None`` keeps each
-    kind's own default: biases in the paper's layer, none in SwiGLU (Llama's)."""
+    """The feed-forward layer: the paper's layer with an activation of ``layers.ACTIVATIONS``
+    (``"relu"``, ``"gelu"``, GPT-2's ``"gelu_tanh"``) or ``"swiglu"``. ``d_ff`` is the hidden
+    width either way: a SwiGLU layer of ``d_ff`` = 8/3 · D has the weights of a ReLU layer of
+    4 · D. ``bias=None`` keeps each kind's own default: biases in the paper's layer, none in
+    SwiGLU (Llama's)."""
     check_choice("kind", kind, FEED_FORWARDS)
     check_int("d_model", d_model, at_least=1)
     check_int("d_ff", d_ff, at_least=1)

@@ -2,8 +2,9 @@
 today's pieces (Llama, Qwen3).
 
 Chapter 8's decoder without cross-attention reads tokens ``0..t`` and predicts token ``t + 1``:
-that is GPT. The model is one code path whose pieces are chosen by small factories from the
-config (:mod:`~transformer_tutorial.lm_pieces`) — the norm (:func:`make_norm`), the
+that is GPT. The model stacks :class:`~transformer_tutorial.lm_layer.DecoderOnlyLayer` and is
+one code path whose pieces are chosen by small factories from the config
+(:mod:`~transformer_tutorial.lm_pieces`) — the norm (:func:`make_norm`), the
 feed-forward layer (:func:`make_feed_forward`), the position scheme (:func:`make_positions`)
 and the attention head layout (:func:`make_attention`) — so that a later choice (RMSNorm,
 SwiGLU, rotary positions, grouped heads) is a new branch in one factory, not a new model. The
@@ -16,7 +17,6 @@ positions a row may also be padded on the left, given a ``padding_mask``.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_tutorial.attention import KVCache
 from transformer_tutorial.checks import (
     check_bool,
     check_choice,
@@ -32,18 +31,10 @@ from transformer_tutorial.checks import (
     check_number,
     check_optional_int,
 )
-from transformer_tutorial.grouped_attention import GroupedKVCache, GroupedQueryAttention
-from transformer_tutorial.lm_pieces import (
-    ATTENTIONS,
-    FEED_FORWARDS,
-    NORMS,
-    POSITIONS,
-    make_attention,
-    make_feed_forward,
-    make_norm,
-    make_positions,
-)
-from transformer_tutorial.masks import causal_mask
+from transformer_tutorial.feed_forward import FEED_FORWARDS
+from transformer_tutorial.lm_layer import Cache, DecoderOnlyLayer
+from transformer_tutorial.lm_pieces import ATTENTIONS, POSITIONS, make_norm, make_positions
+from transformer_tutorial.norms import NORMS
 
 # The fields only chapter 16's attention has.
 GQA_FIELDS = {"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None}
@@ -132,91 +123,8 @@ class LMConfig:
         return self.d_model // self.n_heads if self.d_head is None else self.d_head
 
 
-# --- The layer and the model ----------------------------------------------------------------
-
-
 # The projections that write into the residual stream, initialised smaller.
 RESIDUAL_PROJECTIONS = ("self_attn.out_proj.weight", "ff.linear2.weight", "ff.down_proj.weight")
-# One layer's keys and values so far: chapter 11's for "mha", chapter 16's for "gqa".
-Cache = KVCache | GroupedKVCache
-
-
-class DecoderOnlyLayer(nn.Module):
-    """Chapter 8's decoder layer without cross-attention: causal self-attention, then
-    feed-forward, each in a residual connection with a norm (GPT-2's "block").
-
-    ``norm_first=True`` (GPT-2) normalises each sub-layer's input, ``False`` (the paper) the
-    sum. The causal mask is built here, so no caller can forget it.
-
-    Shapes:
-        x ``(B, T_new, D)`` after the ``S_past`` positions of ``past`` (each ``(B, H, S_past,
-        Dh)``) → ``(B, T_new, D)`` and the keys/values of all ``S_past + T_new`` positions.
-        With ``attention="gqa"`` only: ``position_ids`` ``(B, T_new)`` for rotary positions and
-        ``padding_mask`` ``(B, S_past + T_new)``, True at padding.
-    """
-
-    def __init__(self, config: LMConfig) -> None:
-        super().__init__()
-        self.norm_first = config.norm_first
-        self.self_attn = make_attention(config)
-        self.ff = make_feed_forward(config)
-        self.norm1 = make_norm(config)
-        self.norm2 = make_norm(config)
-        self.dropout1 = nn.Dropout(config.dropout)
-        self.dropout2 = nn.Dropout(config.dropout)
-
-    def forward(
-        self,
-        x: Tensor,
-        past: Cache | None = None,
-        *,
-        position_ids: Tensor | None = None,
-        padding_mask: Tensor | None = None,
-    ) -> tuple[Tensor, Cache]:
-        pads = dict(position_ids=position_ids, padding_mask=padding_mask)  # "gqa" only
-        if self.norm_first:
-            sa, kv = self._sa_block(self.norm1(x), past, **pads)
-            x = x + sa
-            x = x + self._ff_block(self.norm2(x))
-        else:
-            sa, kv = self._sa_block(x, past, **pads)
-            x = self.norm1(x + sa)
-            x = self.norm2(x + self._ff_block(x))
-        return x, kv
-
-    def _sa_block(
-        self, x: Tensor, past: Cache | None, **pads: Tensor | None
-    ) -> tuple[Tensor, Cache]:
-        if isinstance(self.self_attn, GroupedQueryAttention):
-            return self._grouped_sa_block(x, past, **pads)
-        q, kv = self.self_attn.project_qkv(x)  # (B, H, T_new, Dh) each
-        if past is not None:
-            kv = past.append(kv)  # (B, H, S_past + T_new, Dh)
-        t_new, t_all = x.size(1), kv.k.size(2)
-        # Chapter 6's mask, aligned bottom-right: new position i sits at t_all - t_new + i.
-        future = None if t_new == 1 else causal_mask(t_new, t_all, device=x.device)
-        out, _ = self.self_attn.attend_heads(q, kv, attn_mask=future)
-        return self.dropout1(out), kv
-
-    def _grouped_sa_block(
-        self,
-        x: Tensor,
-        past: GroupedKVCache | None,
-        *,
-        position_ids: Tensor | None = None,
-        padding_mask: Tensor | None = None,
-    ) -> tuple[Tensor, GroupedKVCache]:
-        """Chapter 16's attention builds its own mask (causal or sliding-window, bottom-right),
-        turns queries and keys by their positions (``position_ids``: default, those after the
-        cache's) and adds the new keys and values to a copy of ``past``, which stays as it was."""
-        cache = GroupedKVCache() if past is None else copy.copy(past)
-        out = self.self_attn(
-            x, position_ids=position_ids, key_padding_mask=padding_mask, cache=cache
-        )
-        return self.dropout1(out), cache
-
-    def _ff_block(self, x: Tensor) -> Tensor:
-        return self.dropout2(self.ff(x))
 
 
 @dataclass(frozen=True)

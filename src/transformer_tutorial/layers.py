@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,13 @@ from torch import Tensor, nn
 from transformer_tutorial.attention import KVCache, MultiHeadAttention
 from transformer_tutorial.masks import causal_mask
 
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+# The feed-forward's activations by name: the paper's ReLU, GELU, and GELU's tanh approximation,
+# GPT-2's (chapter 13; "gelu_new" in transformers).
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+}
 
 
 class LayerNorm(nn.Module):
@@ -57,8 +64,8 @@ class FeedForward(nn.Module):
         d_model: D, input and output width.
         d_ff: inner width (2048 in the paper's base model).
         dropout: dropout after the activation.
-        activation: ``"relu"`` (the paper), ``"gelu"``, or a function of one tensor (as
-            ``nn.TransformerEncoderLayer`` takes).
+        activation: ``"relu"`` (the paper), ``"gelu"``, ``"gelu_tanh"`` (GPT-2's), or a
+            function of one tensor (as ``nn.TransformerEncoderLayer`` takes).
         bias: whether the two linear layers have biases.
 
     Shapes:

@@ -12,31 +12,25 @@ Shapes: embeddings ``(B, T, D)``; queries ``(B, H, T, Dh)``, keys and values ``(
 
 from __future__ import annotations
 
-from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_tutorial.attention import MultiHeadAttention
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
-from transformer_tutorial.feed_forward import SwiGLU
+from transformer_tutorial.feed_forward import SwiGLU, build_feed_forward
 from transformer_tutorial.grouped_attention import GroupedQueryAttention
-from transformer_tutorial.layers import ACTIVATIONS, FeedForward
+from transformer_tutorial.layers import FeedForward
 from transformer_tutorial.norms import build_norm
 from transformer_tutorial.rotary import RotaryPositions
 
 if TYPE_CHECKING:
     from transformer_tutorial.language_model import LMConfig
 
-# The feed-forward's activations: the paper's two, and GELU's tanh approximation, GPT-2's
-# ("gelu_new" in transformers).
-LM_ACTIVATIONS = {**ACTIVATIONS, "gelu_tanh": partial(F.gelu, approximate="tanh")}
-# The choices each factory knows. "swiglu" is a gated layer, not an activation of one.
-NORMS = ("layer", "rms")
-FEED_FORWARDS = (*LM_ACTIVATIONS, "swiglu")
+# The choices of the two factories of this module's own; the norms' are norms.NORMS, the
+# feed-forwards' feed_forward.FEED_FORWARDS.
 POSITIONS = ("learned", "sinusoidal", "rope")
 ATTENTIONS = ("mha", "gqa")
 
@@ -65,13 +59,13 @@ def make_norm(config: LMConfig) -> nn.Module:
     return build_norm(config.norm, config.d_model, config.layer_norm_eps)
 
 
-def make_feed_forward(config: LMConfig) -> nn.Module:
-    """The position-wise feed-forward layer: chapter 5's with ``config.activation``, or with
-    ``"swiglu"`` chapter 14's gated layer (Llama's ``mlp``); ``d_ff`` is the hidden width."""
-    if config.activation == "swiglu":
-        return SwiGLU(config.d_model, config.d_ff, dropout=config.dropout, bias=config.bias)
-    activation = LM_ACTIVATIONS[config.activation]
-    return FeedForward(config.d_model, config.d_ff, config.dropout, activation, bias=config.bias)
+def make_feed_forward(config: LMConfig) -> FeedForward | SwiGLU:
+    """The position-wise feed-forward layer, chapter 14's switch: chapter 5's layer with
+    ``config.activation`` (``"gelu_tanh"``: GPT-2's), or with ``"swiglu"`` the gated layer
+    (Llama's ``mlp``); ``d_ff`` is the hidden width, ``bias`` the config's."""
+    return build_feed_forward(
+        config.activation, config.d_model, config.d_ff, dropout=config.dropout, bias=config.bias
+    )
 
 
 def make_attention(config: LMConfig) -> MultiHeadAttention | GroupedQueryAttention:
