@@ -11,6 +11,7 @@ from bench.attention import bench_attention
 from bench.beam import bench_beam
 from bench.cli import Settings, check_args, parse_args, run_meta
 from bench.decoding import bench_decoding
+from bench.llama import bench_llama
 from bench.report import print_table, write_results
 from bench.train_forward import bench_models
 
@@ -20,6 +21,11 @@ SECTIONS = (
     ("3. greedy decoding, KV cache vs recompute", "decode", bench_decoding),
     ("4. beam 5 vs greedy on test2016", "beam", bench_beam),
     ("5. attention alone, written out vs fused", "attention", bench_attention),
+    (
+        "6. chapter 17's Llama-style model, ours vs transformers' LlamaForCausalLM",
+        "llama",
+        bench_llama,
+    ),
 )
 
 

@@ -80,6 +80,10 @@ class Settings:
     checkpoint: Path | None
     matmul_size: int  # the square matrix product the peak is measured on
     peak_flops: float | None  # --peak-tflops, as FLOP/s
+    llama_config: str  # a model of bench/llama.py's MODELS
+    llama_train_shapes: tuple[tuple[int, int], ...]  # (sentences, length) a training step
+    llama_prompt: tuple[int, int]  # (sentences, length) of the prompts generation continues
+    llama_new_tokens: tuple[int, ...]  # tokens generated
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, device: torch.device) -> Settings:
@@ -110,6 +114,16 @@ class Settings:
             checkpoint=args.checkpoint,
             matmul_size=256 if quick else (16384 if cuda else 2048),
             peak_flops=None if args.peak_tflops is None else 1e12 * args.peak_tflops,
+            # On a CPU the Llama-style model chapter 17 trains (max_len 80); on a GPU chapter
+            # 17's capstone. Training batches are (sentences, length).
+            llama_config="tiny" if quick else ("capstone" if cuda else "comparison"),
+            llama_train_shapes=(
+                ((2, 16),)
+                if quick
+                else (((8, 512), (16, 1024)) if cuda else ((8, 32), (16, 64), (32, 80)))
+            ),
+            llama_prompt=(2, 4) if quick else ((8, 32) if cuda else (8, 16)),
+            llama_new_tokens=(8,) if quick else ((128, 512) if cuda else (32, 64)),
         )
 
     @property

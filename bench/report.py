@@ -42,6 +42,30 @@ def print_table(results: dict) -> None:
                 + (f"{_mfu(r, '_datasheet'):>14}" if sheet else "")
                 + f"{spread:>14}"
             )
+    print_llama_table(results["llama"])
+
+
+def print_llama_table(llama: dict) -> None:
+    """Section 6: each row's medians and throughput ratio ours ÷ LlamaForCausalLM."""
+    print(
+        f"\nthroughput ratio ours ÷ transformers' LlamaForCausalLM (> 1: ours faster), "
+        f"{llama['config']} ({llama['weights']:,} weights), same weights, median wall clock"
+    )
+    print(f"{'':10}{'shape':<14}{'ours ms':>10}{'theirs ms':>11}{'ratio':>7}{'spread':>12}  check")
+    rows = [
+        ("train", f"B={r['batch']} T={r['length']}", r, r["same_loss"])
+        for r in llama["train_step"]
+    ]
+    rows += [
+        ("generate", f"B={r['batch']} n={r['new_tokens']}", r, r["same_tokens"])
+        for r in llama["generate"]
+    ]
+    for label, shape, r, same in rows:
+        spread = f"{r['ours_spread']:.0%}/{r['theirs_spread']:.0%}"
+        print(
+            f"{label:<10}{shape:<14}{r['ours_ms']:>10.1f}{r['theirs_ms']:>11.1f}{r['ratio']:>7.2f}"
+            f"{spread:>12}  {'same' if same else 'DIFFERENT'}"
+        )
 
 
 def _plot_ratios(ax, results: dict) -> None:
@@ -82,17 +106,36 @@ def _plot_attention(time_ax, memory_ax, att: list[dict]) -> None:
     memory_ax.legend()
 
 
+def _plot_llama(ax, llama: dict, kind: str) -> None:
+    """Section 6's ratios of one kind: ``"train_step"`` (per batch) or ``"generate"`` (per
+    number of new tokens)."""
+    rows = llama[kind]
+    if kind == "train_step":
+        labels, title = [f"B={r['batch']}\nT={r['length']}" for r in rows], "training step"
+    else:
+        labels = [f"{r['new_tokens']} tokens" for r in rows]
+        title = f"greedy generation, {rows[0]['batch']} prompts of {rows[0]['prompt']}"
+    ax.bar(range(len(rows)), [r["ratio"] for r in rows], 0.5)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("throughput, ours ÷ LlamaForCausalLM")
+    ax.set_title(f"Llama-style ({llama['config']}): {title}")
+
+
 def plot(results: dict, path: Path) -> None:
-    """Four panels: the ratios, decoding, attention's time and its peak memory."""
+    """Six panels: the ratios, decoding, attention's time and its peak memory, and section 6's
+    ratios against LlamaForCausalLM (training, generation)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
     _plot_ratios(axes[0, 0], results)
     _plot_decoding(axes[0, 1], results["decode"])
     _plot_attention(axes[1, 0], axes[1, 1], results["attention"])
+    _plot_llama(axes[0, 2], results["llama"], "train_step")
+    _plot_llama(axes[1, 2], results["llama"], "generate")
     meta = results["meta"]
     fig.suptitle(f"{meta['device_name']}, torch {meta['torch']}, {meta['threads']} threads")
     fig.tight_layout()

@@ -59,6 +59,7 @@ def test_bench_quick_runs_every_section_and_writes_results(
     if sys.platform == "linux":  # tiny sizes: measured, but too small to compare
         assert all(r["written_peak_mib"] is not None for r in results["attention"])
     _check_mfu(results, out)
+    _check_llama(results, out)
 
 
 def _check_mfu(results: dict, out: str) -> None:
@@ -81,6 +82,49 @@ def _check_mfu(results: dict, out: str) -> None:
     first = results["train_step"][0]
     # ours/nn.Transformer, in percent
     assert table[3].split()[6] == f"{first['ours_mfu']:.1%}/{first['torch_mfu']:.1%}"
+
+
+def _check_llama(results: dict, out: str) -> None:
+    """Section 6: both sides computed the same (loss, greedy tokens), each row has a ratio, the
+    table prints one line a row."""
+    llama = results["llama"]
+    assert llama["config"] == "tiny" and llama["weights"] > 0
+    assert [(r["batch"], r["length"]) for r in llama["train_step"]] == [(2, 16)]
+    assert [r["new_tokens"] for r in llama["generate"]] == [8]
+    for r in llama["train_step"]:
+        assert r["same_loss"] and r["fp32_loss_diff"] <= 1e-4
+    assert all(r["same_tokens"] for r in llama["generate"])
+    for r in llama["train_step"] + llama["generate"]:
+        assert r["ratio"] == pytest.approx(r["theirs_ms"] / r["ours_ms"]) and r["ratio"] > 0
+    table = out[out.index("throughput ratio ours ÷ transformers' LlamaForCausalLM") :]
+    lines = table.splitlines()[2:4]
+    assert [line.split()[0] for line in lines] == ["train", "generate"]
+    assert all(line.endswith("same") for line in lines)
+
+
+def test_llama_pair_computes_the_same_and_its_checks_see_a_difference(bench):
+    """The pair the section times has the same weights (the same loss, the same tokens), and the
+    checks it runs would see a model that differs."""
+    import bench.llama as llama
+
+    cpu = torch.device("cpu")
+    ours, theirs = llama.build_pair("tiny", cpu)
+    assert theirs.config._attn_implementation == "sdpa"
+    assert ours.num_parameters() == theirs.num_parameters()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for side, model in (("ours", ours), ("theirs", theirs)):
+        step = llama.LMTrainStep(side, model, ids, "fp32")
+        got[side] = step.loss().item()
+        prompt = ids[:, :4]
+        got[side + " tokens"] = llama.greedy_fn(side, model, prompt, 8, "fp32")()
+    assert abs(got["ours"] - got["theirs"]) <= llama.LOSS_ATOL
+    assert torch.equal(got["ours tokens"], got["theirs tokens"])
+    assert got["ours tokens"].shape == (2, 12)
+    with torch.no_grad():
+        theirs.model.norm.weight.mul_(-1.0)  # a wrong sign in their final norm
+    changed = llama.LMTrainStep("theirs", theirs, ids, "fp32").loss().item()
+    assert abs(changed - got["ours"]) > llama.LOSS_ATOL
 
 
 def test_add_mfu_divides_counted_flop_per_second_by_each_peak(bench):
