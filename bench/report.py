@@ -53,7 +53,7 @@ def print_llama_table(llama: dict) -> None:
     )
     print(f"{'':10}{'shape':<14}{'ours ms':>10}{'theirs ms':>11}{'ratio':>7}{'spread':>12}  check")
     rows = [
-        ("train", f"B={r['batch']} T={r['length']}", r, r["same_loss"])
+        ("train", f"B={r['batch']} T={r['length']}", r, r["same_logits"])
         for r in llama["train_step"]
     ]
     rows += [
