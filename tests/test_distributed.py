@@ -115,7 +115,7 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
     for step in range(STEPS):
         global_batch = [i for shard in shards for i in shard[step]]
         loss_sum, tokens = one.train_step(global_batch)
-        losses.append(loss_sum / tokens)
+        losses.append((loss_sum / tokens).item())  # tensors on the device: read when wanted
 
     logged = [e["train_loss"] for e in ranks["state"]["history"]["train"]]
     assert logged == pytest.approx(losses, rel=1e-5)

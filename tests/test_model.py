@@ -221,6 +221,31 @@ def test_encode_then_decode_equals_forward(ids, tiny_model):
         torch.testing.assert_close(logits, model(src, tgt), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_logits_at_are_the_full_logits_at_those_positions(ids, tiny_model, seed):
+    """Training asks for the real target tokens' logits only: the same numbers, no padding."""
+    src, tgt = ids
+    model = tiny_model(seed=seed)
+    at = (tgt != PAD_ID).flatten().nonzero().squeeze(1)  # (N,)
+    with torch.no_grad():
+        full = model(src, tgt)  # (B, T, V)
+        some = model(src, tgt, logits_at=at)  # (N, V)
+    assert some.shape == (len(at), model.config.tgt_vocab_size) and len(at) < tgt.numel()
+    torch.testing.assert_close(some, full.flatten(0, 1)[at], atol=1e-6, rtol=0)
+
+
+def test_check_ids_false_skips_the_range_check_only(tiny_model):
+    """Ids checked where they were made skip the read back; shape and dtype are always checked."""
+    model = tiny_model()
+    with pytest.raises(IndexError):  # the embedding's own error: no range check was asked for
+        model(torch.tensor([[3, 11]]), BAD_TGT[:1], check_ids=False)
+    raises(
+        lambda: model(BAD_SRC.float(), BAD_TGT, check_ids=False),
+        TypeError,
+        "src must hold integer token ids",
+    )
+
+
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_masks_come_from_pad_id_appended_padding_changes_nothing(ids, tiny_model, norm_first):
     """No mask is passed: the model finds padding by ``pad_id`` on both sides."""

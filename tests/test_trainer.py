@@ -170,6 +170,74 @@ def test_evaluate_loss_is_the_training_criterion_per_token_with_dropout_off(pair
     assert loss == pytest.approx(expected.item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batch_loss_without_padding_logits_equals_the_full_loss_and_gradients(
+    pairs, tiny_model, seed, threads
+):
+    """The output layer and the loss run on the real target tokens only: the same loss and
+    gradients (float32, to 1e-5 relative) as logits for every position and ``ignore_index``.
+    With dropout on: both draw the same masks (they differ after the decoder only)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    batch = pairs[0][:16]
+    model = tiny_model(seed=seed, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, dropout=0.1)
+    model.train()
+    results = []
+    try:
+        for padding_free in (True, False):
+            torch.manual_seed(seed)
+            model.zero_grad()
+            if padding_free:
+                loss, tokens = trainer.batch_loss(
+                    model, batch, label_smoothing=0.1, device=torch.device("cpu"), precision="fp32"
+                )
+            else:
+                src, tgt_in, tgt_out = collate(batch)
+                loss = translation_loss(
+                    model(src, tgt_in),
+                    tgt_out,
+                    smoothing=0.1,
+                    ignore_index=PAD_ID,
+                    reduction="sum",
+                )
+                tokens = int((tgt_out != PAD_ID).sum())
+            loss.backward()
+            results.append((loss.detach(), tokens, [p.grad.clone() for p in model.parameters()]))
+    finally:
+        torch.set_num_threads(before)
+    (loss, tokens, grads), (full_loss, full_tokens, full_grads) = results
+    assert tokens == full_tokens
+    torch.testing.assert_close(loss, full_loss, rtol=1e-5, atol=0)
+    for grad, full in zip(grads, full_grads, strict=True):
+        torch.testing.assert_close(grad, full, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("where", ["train_pairs", "val_pairs", "evaluate_loss"])
+def test_ids_outside_the_vocabulary_are_refused_where_they_come_in(pairs, tiny_model, where):
+    train_pairs, val_pairs = pairs
+    bad = [*val_pairs[:2], ([3, 4], [5, VOCAB, 6])]
+    phrase = f"(targets) holds ids from 3 to {VOCAB}; valid ids are 0 to {VOCAB - 1}"
+    if where == "evaluate_loss":
+        model = tiny_model(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB)
+        call = functools.partial(
+            evaluate_loss, model, bad, max_tokens=100, label_smoothing=0.1, device="cpu"
+        )
+    else:
+        given = {"train_pairs": train_pairs, "val_pairs": val_pairs, where: bad}
+        call = functools.partial(
+            Trainer,
+            CONFIG,
+            given["train_pairs"],
+            given["val_pairs"],
+            vocab_size=VOCAB,
+            out_dir=Path("unused"),
+            options=RunOptions(progress=False),
+            tokenizer_file=None,
+        )
+    raises(call, ValueError, phrase)
+
+
 @pytest.mark.slow
 def test_compiled_training_gives_the_eager_losses_and_plain_checkpoints(pairs, tmp_path):
     """``compile=True`` wires torch.compile into the step. The compiler backend here is

@@ -377,6 +377,13 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = PAD_ID) -> Tensor:
     return out
 
 
+def id_range(seqs: Iterable[Sequence[int]]) -> tuple[int, int]:
+    """The smallest and the largest id in ``seqs`` ((0, 0) when they hold none): what to check
+    against a vocabulary once, where the ids come in, rather than in every batch on the device."""
+    seqs = [seq for seq in seqs if len(seq)]
+    return (min(map(min, seqs)), max(map(max, seqs))) if seqs else (0, 0)
+
+
 def collate(
     pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
     *,

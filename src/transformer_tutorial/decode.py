@@ -2,7 +2,9 @@
 10's test for translations that loop).
 
 Every decoding function is pure: batched, under ``torch.no_grad()``, and keeps no state on the
-model. Call ``model.eval()`` first (or use :func:`translate`, which does it for you).
+model. Call ``model.eval()`` first (or use :func:`translate_sentences`, which does it for you).
+Each reads back from the device only what it must: the source ids' range once (in
+``model.encode``), whether every sentence has finished once a step, and the tokens at the end.
 
 Shapes: source ids ``(B, S)`` → generated ids ``(B, L)`` with ``L ≤ max_len``; each row ends at
 its first ``<eos>`` and is padded after it. The leading ``<bos>`` is not returned.
@@ -71,6 +73,7 @@ def greedy_decode(
                 memory,
                 memory_key_padding_mask=src_key_padding_mask,
                 tgt_key_padding_mask=torch.zeros_like(ys, dtype=torch.bool),
+                check_ids=False,  # the model's own choices
             )
         scores = logits[:, -1]  # (B, V)
         if t < min_len:  # too early to stop: <eos> is ruled out
@@ -267,8 +270,8 @@ def translate_sentences(
                     eos_id=EOS_ID,
                     pad_id=PAD_ID,
                 )
-            for row, i in enumerate(batch):
-                out[i] = strip_eos(hyps[row].tolist())
+            for i, hyp in zip(batch, hyps.tolist(), strict=True):  # one read for the batch
+                out[i] = strip_eos(hyp)
     finally:
         model.train(was_training)
     return tokenizer.decode_batch(out, skip_special_tokens=True)

@@ -261,9 +261,15 @@ class Transformer(nn.Module):
             for embed in {self.src_embed, self.tgt_embed}:
                 embed.weight[self.config.pad_id].zero_()
 
-    def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Tensor:
-        """Source ids ``(B, S)`` → memory ``(B, S, D)``."""
-        self._check_ids("src", src, self.config.src_vocab_size)
+    def encode(
+        self, src: Tensor, src_key_padding_mask: Tensor | None = None, *, check_ids: bool = True
+    ) -> Tensor:
+        """Source ids ``(B, S)`` → memory ``(B, S, D)``.
+
+        ``check_ids=False`` skips the ids' range check, a read back from the device, for ids
+        checked where they were made (the trainer checks its pairs once).
+        """
+        self._check_ids("src", src, self.config.src_vocab_size, check_range=check_ids)
         if src_key_padding_mask is None:
             src_key_padding_mask = padding_mask(src, self.config.pad_id)
         x = self.positional(self.src_embed(src))
@@ -276,9 +282,16 @@ class Transformer(nn.Module):
         *,
         memory_key_padding_mask: Tensor | None = None,
         tgt_key_padding_mask: Tensor | None = None,
+        logits_at: Tensor | None = None,
+        check_ids: bool = True,
     ) -> Tensor:
-        """Target ids ``(B, T)`` and memory ``(B, S, D)`` → logits ``(B, T, V)``, all at once."""
-        self._check_ids("tgt", tgt, self.config.tgt_vocab_size)
+        """Target ids ``(B, T)`` and memory ``(B, S, D)`` → logits ``(B, T, V)``, all at once.
+
+        ``logits_at``, flat indices ``(N,)`` into the ``B·T`` target positions, asks for the
+        logits ``(N, V)`` of those positions only: training asks for the real tokens', so the
+        output layer and the loss never run on padding. ``check_ids`` as in :meth:`encode`.
+        """
+        self._check_ids("tgt", tgt, self.config.tgt_vocab_size, check_range=check_ids)
         D = self.config.d_model
         if memory.dim() != 3 or memory.size(0) != tgt.size(0) or memory.size(-1) != D:
             raise ValueError(
@@ -293,7 +306,9 @@ class Transformer(nn.Module):
             memory,
             tgt_key_padding_mask=tgt_key_padding_mask,
             memory_key_padding_mask=memory_key_padding_mask,
-        )
+        )  # (B, T, D)
+        if logits_at is not None:
+            x = x.flatten(0, 1).index_select(0, logits_at)  # (N, D)
         return self.generator(x)
 
     def forward(
@@ -303,9 +318,11 @@ class Transformer(nn.Module):
         *,
         src_key_padding_mask: Tensor | None = None,
         tgt_key_padding_mask: Tensor | None = None,
+        logits_at: Tensor | None = None,
+        check_ids: bool = True,
     ) -> Tensor:
         """Source ids ``(B, S)``, target ids ``(B, T)`` → logits ``(B, T, V)``
-        (teacher forcing)."""
+        (teacher forcing); ``logits_at`` and ``check_ids`` as in :meth:`decode`."""
         if src.dim() == tgt.dim() == 2 and src.size(0) != tgt.size(0):
             raise ValueError(
                 f"src and tgt must hold the same number of sentences: src has {src.size(0)} "
@@ -313,12 +330,14 @@ class Transformer(nn.Module):
             )
         if src_key_padding_mask is None:
             src_key_padding_mask = padding_mask(src, self.config.pad_id)
-        memory = self.encode(src, src_key_padding_mask)
+        memory = self.encode(src, src_key_padding_mask, check_ids=check_ids)
         return self.decode(
             tgt,
             memory,
             memory_key_padding_mask=src_key_padding_mask,
             tgt_key_padding_mask=tgt_key_padding_mask,
+            logits_at=logits_at,
+            check_ids=check_ids,
         )
 
     def init_cache(
@@ -331,8 +350,11 @@ class Transformer(nn.Module):
     def decode_step(self, tgt: Tensor, cache: DecoderCache) -> tuple[Tensor, DecoderCache]:
         """New target ids ``(B, T_new)`` after the ``cache.length`` held in ``cache`` → their
         logits ``(B, T_new, V)`` and the grown cache. Equal to :meth:`decode` on the whole prefix.
+
+        The ids' range is not read back here, at every step: decoding checks the source once
+        (:meth:`encode`) and feeds back the model's own choices.
         """
-        self._check_ids("tgt", tgt, self.config.tgt_vocab_size)
+        self._check_ids("tgt", tgt, self.config.tgt_vocab_size, check_range=False)
         x = self.positional(self.tgt_embed(tgt), start=cache.length)
         x, layers = self.decoder.step(
             x, cache.layers, memory_key_padding_mask=cache.memory_key_padding_mask
@@ -342,19 +364,25 @@ class Transformer(nn.Module):
         )
 
     @staticmethod
-    def _check_ids(name: str, ids: Tensor, vocab_size: int) -> None:
-        """Token ids must be an integer ``(B, L)`` tensor with every id in ``[0, vocab_size)``."""
+    def _check_ids(name: str, ids: Tensor, vocab_size: int, *, check_range: bool) -> None:
+        """Token ids must be an integer ``(B, L)`` tensor (free: shape and dtype only) with, where
+        ``check_range``, every id in ``[0, vocab_size)``."""
         if ids.dim() != 2:
             raise ValueError(f"{name} must be token ids of shape (B, L), got {tuple(ids.shape)}")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-        # The range check reads the ids' values; torch.compile skips it (it would split the
-        # graph at every call).
-        if torch.compiler.is_compiling() or not ids.numel():
+        # The range check reads the ids' values: on a GPU the host waits for the queue to drain.
+        # torch.compile skips it (it would split the graph at every call).
+        if not check_range or torch.compiler.is_compiling() or not ids.numel():
             return
         low, high = torch.stack(torch.aminmax(ids)).tolist()  # one read back from the device
-        if not 0 <= low <= high < vocab_size:
-            raise ValueError(
-                f"{name} holds ids from {low} to {high}; valid ids are "
-                f"0 to {vocab_size - 1} (the vocabulary has {vocab_size} tokens)"
-            )
+        check_id_range(name, low, high, vocab_size)
+
+
+def check_id_range(name: str, low: int, high: int, vocab_size: int) -> None:
+    """Token ids from ``low`` to ``high`` must all lie in ``[0, vocab_size)``."""
+    if not 0 <= low <= high < vocab_size:
+        raise ValueError(
+            f"{name} holds ids from {low} to {high}; valid ids are "
+            f"0 to {vocab_size - 1} (the vocabulary has {vocab_size} tokens)"
+        )

@@ -58,11 +58,11 @@ def translation_loss(
     PyTorch's own, tested implementation, which ours is checked against.
 
     Shapes:
-        logits ``(B, T, V)``, target ``(B, T)`` → a scalar (``reduction="mean"`` over counted
-        positions, or ``"sum"``).
+        logits ``(B, T, V)``, target ``(B, T)`` (or logits ``(N, V)``, target ``(N,)``) → a
+        scalar (``reduction="mean"`` over counted positions, or ``"sum"``).
     """
     return F.cross_entropy(
-        logits.float().flatten(0, 1),
+        logits.float().flatten(0, -2),
         target.flatten(),
         reduction=reduction,
         ignore_index=ignore_index,
@@ -74,8 +74,14 @@ def make_optimizer(
     model: nn.Module, *, lr: float, warmup: int
 ) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
     """Adam with the paper's β = (0.9, 0.98), ε = 1e-9, and the warm-up schedule peaking at
-    ``lr`` after ``warmup`` steps."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
+    ``lr`` after ``warmup`` steps.
+
+    ``fused``: one kernel updates every parameter (on the CPU too), several times faster than
+    the default loop over parameters, which also reads each one's step count back as a number.
+    """
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9, fused=True
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_inverse_sqrt(step, warmup=warmup)
     )

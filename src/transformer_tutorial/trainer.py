@@ -36,8 +36,8 @@ from transformer_tutorial.checkpoint import (
     save_atomic,
 )
 from transformer_tutorial.configs import RunOptions, TrainConfig
-from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
-from transformer_tutorial.model import Transformer
+from transformer_tutorial.data import PAD_ID, collate, id_range, pair_lengths, token_batches
+from transformer_tutorial.model import Transformer, TransformerConfig, check_id_range
 from transformer_tutorial.optim import make_optimizer, translation_loss
 from transformer_tutorial.precision import autocast, grad_scaler, resolve_precision
 from transformer_tutorial.runtime import StopRequest, catch_stop_signals, set_seed
@@ -95,6 +95,39 @@ class TrainingInterrupted(Exception):
         self.step, self.checkpoint = step, checkpoint
 
 
+def batch_loss(
+    model: nn.Module,
+    pairs: Pairs,
+    *,
+    label_smoothing: float,
+    device: torch.device,
+    precision: str,
+) -> tuple[Tensor, int]:
+    """The loss summed over the target tokens of the batch ``pairs``, and how many there are.
+
+    The logits are computed at the real target tokens only, never at padding (``logits_at``),
+    and nothing is read back from the device: the positions are found on the CPU before the
+    batch moves, and the ids' range was checked once where the pairs came in.
+    """
+    src, tgt_in, tgt_out = collate(pairs)  # (B, S), (B, T), (B, T) on the CPU
+    real = (tgt_out != PAD_ID).flatten().nonzero().squeeze(1)  # (N,) flat positions
+    target = tgt_out.flatten()[real]  # (N,)
+    src, tgt_in, real, target = (x.to(device) for x in (src, tgt_in, real, target))
+    with autocast(precision, device):
+        logits = model(src, tgt_in, logits_at=real, check_ids=False)  # (N, V)
+    loss_sum = translation_loss(
+        logits, target, smoothing=label_smoothing, ignore_index=PAD_ID, reduction="sum"
+    )
+    return loss_sum, len(real)
+
+
+def check_pair_ids(name: str, pairs: Pairs, config: TransformerConfig) -> None:
+    """Every id in ``pairs`` must be a token of the model's vocabularies: checked once, on the
+    host, where the pairs come in, so that no batch needs a read back from the device."""
+    check_id_range(f"{name} (sources)", *id_range(s for s, _ in pairs), config.src_vocab_size)
+    check_id_range(f"{name} (targets)", *id_range(t for _, t in pairs), config.tgt_vocab_size)
+
+
 @torch.no_grad()
 def evaluate_loss(
     model: Transformer,
@@ -107,19 +140,22 @@ def evaluate_loss(
 ) -> float:
     """The mean loss per target token over ``pairs``, dropout off (training's criterion), the
     forward pass in ``precision`` (:mod:`~transformer_tutorial.precision`)."""
+    check_pair_ids("pairs", pairs, model.config)
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, count = torch.zeros((), device=device), 0
     for batch in token_batches(pair_lengths(pairs), max_tokens):
-        src, tgt_in, tgt_out = (x.to(device) for x in collate([pairs[i] for i in batch]))
-        with autocast(precision, device):
-            logits = model(src, tgt_in)  # (B, T, V)
-        total += translation_loss(
-            logits, tgt_out, smoothing=label_smoothing, ignore_index=PAD_ID, reduction="sum"
-        ).item()
-        count += int((tgt_out != PAD_ID).sum())
+        loss_sum, tokens = batch_loss(
+            model,
+            [pairs[i] for i in batch],
+            label_smoothing=label_smoothing,
+            device=device,
+            precision=precision,
+        )
+        total += loss_sum
+        count += tokens
     model.train(was_training)
-    return total / max(count, 1)
+    return total.item() / max(count, 1)  # one read back from the device
 
 
 class Trainer:
@@ -143,6 +179,8 @@ class Trainer:
         self.world_size = distributed.world_size()
         set_seed(self.seed)
         self.model = Transformer(config.model_config(vocab_size)).to(device)
+        for name, pairs in (("train_pairs", train_pairs), ("val_pairs", val_pairs)):
+            check_pair_ids(name, pairs, self.model.config)
         self.precision = resolve_precision(options.precision, device)
         self.scaler = grad_scaler(self.precision, device)
         self.optimizer, self.schedule = make_optimizer(
@@ -160,6 +198,9 @@ class Trainer:
             self.train_model = torch.compile(self.train_model)
         self.batch_order = torch.Generator().manual_seed(self.seed)
         self.state = TrainState(epoch_start=self.batch_order.get_state())
+        # The loss and token sums of the steps not yet added to self.state: they stay on the
+        # device, read back once per log_every steps (each read makes the host wait for it).
+        self.unread = torch.zeros(2, device=device)
         self.lengths = pair_lengths(train_pairs)
         self.started, self.seconds_before = time.monotonic(), 0.0
         self.stop_request = StopRequest()  # Ctrl-C or SIGTERM: stop after the current step
@@ -216,6 +257,7 @@ class Trainer:
     def save_last(self) -> None:
         """Write ``last.pt``: everything needed to resume. Every rank calls it (each sends its
         random number generators' states); rank 0 writes."""
+        self.read_losses()
         self.state.train_seconds = self.elapsed()
         rank_rng = distributed.all_gather_object(rng_states())
         if self.rank:
@@ -266,25 +308,20 @@ class Trainer:
             save_atomic({**self._checkpoint(), "val_loss": val_loss}, self.out_dir / "best.pt")
         return val_loss
 
-    def train_step(self, batch: Sequence[int]) -> tuple[float, int]:
+    def train_step(self, batch: Sequence[int]) -> tuple[Tensor, Tensor]:
         """One optimizer step on the pairs ``batch`` (this rank's share of the global batch);
-        returns the global batch's (summed loss, target tokens)."""
-        src, tgt_in, tgt_out = (
-            x.to(self.device) for x in collate([self.train_pairs[i] for i in batch])
-        )
-        with autocast(self.precision, self.device):
-            logits = self.train_model(src, tgt_in)  # (B, T, V)
-        loss_sum = translation_loss(
-            logits,
-            tgt_out,
-            smoothing=self.config.label_smoothing,
-            ignore_index=PAD_ID,
-            reduction="sum",
+        returns the global batch's summed loss and target tokens, left on the device."""
+        loss_sum, tokens = batch_loss(
+            self.train_model,
+            [self.train_pairs[i] for i in batch],
+            label_smoothing=self.config.label_smoothing,
+            device=self.device,
+            precision=self.precision,
         )
         # The mean over the target tokens of the global batch: DDP averages the ranks' gradients,
         # so each rank's sum is scaled by world_size / global tokens (1 / tokens on one process).
-        totals = torch.stack([loss_sum.detach(), (tgt_out != PAD_ID).sum().float()])
-        global_loss_sum, global_tokens = distributed.all_reduce_sum(totals).tolist()
+        totals = torch.stack([loss_sum.detach(), torch.full_like(loss_sum, tokens)])
+        global_loss_sum, global_tokens = distributed.all_reduce_sum(totals)  # no read back
         loss = loss_sum * (self.world_size / global_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()  # fp16: the loss scaled up so gradients stay > 0
@@ -293,12 +330,20 @@ class Trainer:
         self.scaler.step(self.optimizer)  # fp16: skipped when a gradient overflowed
         self.scaler.update()
         self.schedule.step()
-        return global_loss_sum, round(global_tokens)
+        return global_loss_sum, global_tokens
+
+    def read_losses(self) -> None:
+        """Add the loss and token sums of the steps since the last call to the state: one read
+        back from the device (at logging, at an epoch's end, before saving)."""
+        loss_sum, tokens = self.unread.tolist()
+        self.state.add_loss(loss_sum, round(tokens))
+        self.unread.zero_()
 
     def _after_step(self, bar: tqdm) -> None:
         """Log, validate and checkpoint on the config's schedule."""
         config, state = self.config, self.state
         if state.step % config.log_every == 0:
+            self.read_losses()
             train_loss = state.window_loss / state.window_tokens
             lr = self.schedule.get_last_lr()[0]
             state.history["train"].append(self._entry(train_loss=train_loss, lr=lr))
@@ -311,6 +356,7 @@ class Trainer:
             self.save_last()
 
     def _end_epoch(self, progress: bool) -> None:
+        self.read_losses()
         state = self.state
         epoch_loss = state.epoch_loss / max(state.epoch_tokens, 1)
         val_loss = self.validate()
@@ -344,7 +390,7 @@ class Trainer:
             dynamic_ncols=True,
         ) as bar:
             for batch in batches[state.batch_in_epoch :]:
-                state.add_loss(*self.train_step(batch))
+                self.unread += torch.stack(self.train_step(batch))
                 state.step += 1
                 state.batch_in_epoch += 1
                 bar.update()
