@@ -16,7 +16,13 @@ Sections:
   3. greedy decoding of 16–128 tokens, KV cache ÷ recomputing the prefix every step;
   4. beam 5 vs greedy, sentences/s on test2016, with a trained checkpoint if one is cached;
   5. attention alone, written out (the chapter 3 function) vs fused
-     (``F.scaled_dot_product_attention``): time and peak memory as L grows to 2,048.
+     (``F.scaled_dot_product_attention``): time and peak memory as L grows to 2,048;
+  6. chapter 17's Llama-style model against ``transformers``' ``LlamaForCausalLM`` of the same
+     config, our weights copied in (their "sdpa" attention): throughput ours ÷ theirs of a
+     training step (forward, next-token loss, backward, AdamW) at a few batch shapes and of greedy
+     generation with a KV cache (ours) vs ``generate(do_sample=False)``, the logits and tokens
+     checked equal in float32 first. On a CPU the model chapter 17 trains, on a GPU its
+     GPT-2-small-sized capstone.
 
 The models are those of ``transformer_tutorial.configs.CONFIGS``. Both models share one wrapper
 (embeddings, positional encoding, generator), one batch with padding and the same masks. Every
@@ -26,7 +32,7 @@ measurement interleaves the two (a busy machine slows both alike) and reports th
 
 Modules: ``cli`` (arguments, settings, the run's description), ``timing`` (interleaved
 medians), ``models`` (the ``nn.Transformer`` wrapper, the batch, the timed steps), one module a
-section (``train_forward``, ``decoding``, ``beam``, ``attention``), ``mfu`` (peaks and
+section (``train_forward``, ``decoding``, ``beam``, ``attention``, ``llama``), ``mfu`` (peaks and
 utilisation), ``memory`` with the fresh-process probe ``memory_probe``, ``report`` (table, plot,
 JSON) and ``__main__``.
 """
