@@ -25,11 +25,15 @@ from transformer_tutorial.runtime import DEVICE_VARIABLE, check_device
 SHARED_COPY = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test of the browser check is ``website``, so ``-m "not website"`` leaves it out."""
+    """Every test of the browser check is ``website``, so ``-m "not website"`` leaves it out, and
+    in one xdist group, so that under ``--dist loadgroup`` one worker opens the website once
+    while the other tests are dealt out one by one."""
     for item in items:
         if item.path.name == "test_website.py":
             item.add_marker(pytest.mark.website)
+            item.add_marker(pytest.mark.xdist_group("website"))
 
 
 @pytest.fixture(scope="session", autouse=True)
