@@ -1,5 +1,10 @@
 """Sections 1 and 2: the training step and the inference forward, ours ÷ ``nn.Transformer``, and
-the training step compiled; beside each training step, its model FLOPs utilisation."""
+the training step compiled; beside each training step, its model FLOPs utilisation.
+
+Ours trains as the trainer does, with logits at the real target tokens only (what
+``nn.Transformer`` cannot do); its FLOPs are counted on that step, so its MFU counts the work it
+does, not the padding it skips.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +17,36 @@ from bench.cli import Settings
 from bench.mfu import add_mfu, measure_peaks
 from bench.models import TrainStep, build_pair, forward_fn, make_batch
 from bench.timing import interleaved
+from transformer_tutorial.data import PAD_ID
 from transformer_tutorial.flops import count_flops
+from transformer_tutorial.optim import translation_loss
+from transformer_tutorial.precision import autocast
 
 # The two sides: the prefix of their keys in a row, and their names in the timings.
 KEYS = {"ours": "ours", "torch": "nn.Transformer"}
 SIDES = tuple(KEYS.values())
+
+
+class PaddingFreeStep(TrainStep):
+    """Our training step as :func:`transformer_tutorial.trainer.batch_loss` runs it: the output
+    layer and the loss on the real target tokens only."""
+
+    def __init__(self, model: nn.Module, ids: Tensor, precision: str) -> None:
+        super().__init__(model, ids, precision)
+        self.real = (self.tgt_out != PAD_ID).flatten().nonzero().squeeze(1)  # (N,)
+        self.target = self.tgt_out.flatten()[self.real]  # (N,)
+
+    def forward_backward(self) -> None:
+        self.model.train()
+        with autocast(self.precision, self.src.device):
+            logits = self.model(self.src, self.tgt_in, logits_at=self.real, check_ids=False)
+        loss = translation_loss(logits, self.target, smoothing=0.1, ignore_index=PAD_ID)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+
+
+# Each side's training step.
+STEPS = {"ours": PaddingFreeStep, "nn.Transformer": TrainStep}
 
 
 def ratio_row(config: str, ids: Tensor, timed: dict) -> dict:
@@ -52,7 +82,7 @@ def train_row(
     s: Settings, config: str, models: tuple[nn.Module, nn.Module], ids: Tensor, peaks: dict
 ) -> tuple[dict, dict[str, int]]:
     """Section 1 for one batch: the row (with MFU) and each side's counted FLOPs a step."""
-    steps = {name: TrainStep(m, ids, s.precision) for name, m in zip(SIDES, models, strict=True)}
+    steps = {name: STEPS[name](m, ids, s.precision) for name, m in zip(SIDES, models, strict=True)}
     flops = {key: count_flops(steps[name].forward_backward) for key, name in KEYS.items()}
     row = ratio_row(config, ids, interleaved(steps, s.repeats, s.warmup, ids.device))
     add_mfu(row, flops, peaks)
@@ -72,8 +102,8 @@ def compiled_row(s: Settings, config: str, ids: Tensor) -> dict | str:
     a str where ``torch.compile`` fails."""
     ours, theirs, _ = build_pair(config, ids.device)
     fns = {
-        "ours eager": TrainStep(ours, ids, s.precision),
-        "ours": TrainStep(torch.compile(ours), ids, s.precision),
+        "ours eager": PaddingFreeStep(ours, ids, s.precision),
+        "ours": PaddingFreeStep(torch.compile(ours), ids, s.precision),
         "nn.Transformer": TrainStep(torch.compile(theirs), ids, s.precision),
     }
     try:
