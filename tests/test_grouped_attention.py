@@ -217,6 +217,47 @@ def test_cached_decoding_past_the_window_equals_recomputing(n_kv_heads, window, 
         assert cache.held == window - 1  # only what a later query can still see
 
 
+@pytest.mark.parametrize("preallocate", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("n_kv_heads", LAYOUTS)
+def test_the_calls_without_a_mask_tensor_equal_the_masked_attention(
+    n_kv_heads, window, preallocate, monkeypatch
+):
+    """Without padding, a whole sequence runs with ``is_causal=True`` and a one-token step after
+    the cache with no mask at all (F.sdpa's fastest kernels); each equals the explicit mask."""
+    ours = _ours(n_kv_heads, window, qk_norm=True)
+    B, L = 2, 9
+    x = torch.randn(B, L, D, generator=torch.Generator().manual_seed(n_kv_heads))
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    def run() -> torch.Tensor:
+        cache = GroupedKVCache.preallocate(B, n_kv_heads, L, DH) if preallocate else None
+        cache = cache or GroupedKVCache()
+        with torch.no_grad():
+            return torch.cat([ours(x), _decode(ours, x, cache, [4, 1, 1, 3])], dim=1)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    fast = run()
+    # The whole sequence, then the prompt of 4 and the chunk of 3: a mask tensor (but a whole
+    # sequence without a window: is_causal); the two one-token steps: no mask at all, unless
+    # the cache holds keys out of the window (a preallocated one keeps them until it is full).
+    whole = (True, True) if window is None else (False, False)
+    step = (True, False) if window is None or not preallocate else (False, False)
+    assert calls == [whole, whole, step, step, (False, False)]
+    blocked = GroupedQueryAttention._blocked
+    monkeypatch.setattr(
+        GroupedQueryAttention,
+        "_allowed",
+        lambda self, B, L, S, seen, pad: (~blocked(self, B, L, S, seen, pad), False),
+    )
+    torch.testing.assert_close(fast, run(), **TOL)
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_a_left_padded_row_with_a_cache_decodes_like_the_row_alone(window):
     """A row left-padded by 2, its padding masked and its position ids counting real tokens

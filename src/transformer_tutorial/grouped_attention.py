@@ -240,17 +240,33 @@ class GroupedQueryAttention(nn.Module):
         if cache is not None:  # 4) cache: every held position's keys, (B, Hkv, S, Dh)
             keep = None if self.window is None else self.window - 1
             k, v = cache.update(k, v, keep=keep)
-        allowed = ~self._blocked(B, L, k.size(2), seen, key_padding_mask)  # F.sdpa: True = attend
+        allowed, is_causal = self._allowed(B, L, k.size(2), seen, key_padding_mask)
         out = F.scaled_dot_product_attention(  # 5) attend, each K/V head serving its group
             q,
             k,
             v,
             attn_mask=allowed,
             dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
         out = out.transpose(1, 2).reshape(B, L, self.n_heads * self.d_head)  # 6) concat heads
         return self.out_proj(out)
+
+    def _allowed(
+        self, B: int, L: int, S: int, seen: int, key_padding_mask: Tensor | None
+    ) -> tuple[Tensor | None, bool]:
+        """F.sdpa's ``attn_mask`` (True = attend) and ``is_causal``. Without padding, two
+        common cases need no mask tensor, and F.sdpa then takes its fastest kernel (on CUDA a
+        bool mask with grouped heads falls back to the slowest): a whole sequence, ``L == S``,
+        is plain causal attention (``is_causal=True``); one new token after the cache sees every
+        key the cache holds (it keeps at most ``window`` of them)."""
+        if key_padding_mask is None and (self.window is None or S <= self.window):
+            if L == S and self.window is None:
+                return None, True
+            if L == 1:
+                return None, False
+        return ~self._blocked(B, L, S, seen, key_padding_mask), False
 
     def _blocked(
         self, B: int, L: int, S: int, seen: int, key_padding_mask: Tensor | None
