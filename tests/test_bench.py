@@ -69,8 +69,8 @@ def _check_mfu(results: dict, out: str) -> None:
     assert peaks["datasheet_flop_per_s"] is None  # a CPU has no data-sheet entry
     assert "optimizer step is timed but not counted" in peaks["counted"]
     for r in results["train_step"]:
-        # The same matrix products on both sides: the same count, to the FLOP.
-        assert r["ours_gflop"] == r["torch_gflop"] > 0
+        # The same matrix products, less ours' output layer at padding (it skips those logits).
+        assert 0 < r["ours_gflop"] < r["torch_gflop"]
         for side in ("ours", "torch"):
             achieved = 1e9 * r[f"{side}_gflop"] / (r[f"{side}_ms"] / 1e3)
             assert r[f"{side}_mfu"] == pytest.approx(achieved / peaks["matmul"]["flop_per_s"])
