@@ -361,7 +361,11 @@ CONFIG_ROWS = [
     ({"dropout": -0.1}, ValueError, "dropout must be in [0.0, 1.0)"),
     ({"dropout": float("nan")}, ValueError, "dropout must be in"),
     ({"layer_norm_eps": 0.0}, ValueError, "layer_norm_eps must be greater than 0.0"),
-    ({"activation": "tanh"}, ValueError, "must be one of ['gelu', 'gelu_tanh', 'relu']"),
+    (
+        {"activation": "tanh"},
+        ValueError,
+        "activation must be one of ['gelu', 'gelu_tanh', 'relu']",
+    ),
     ({"norm_first": "yes"}, TypeError, "norm_first must be True or False"),
     ({"pad_id": 20}, ValueError, "pad_id=20 is not an id of both vocabularies"),
     ({"pad_id": 11}, ValueError, "pad_id=11 is not an id of both vocabularies"),  # tgt's only
