@@ -4,8 +4,10 @@
     python scripts/execute_notebooks.py chapters/03_*.ipynb  # some
 
 Each notebook runs in an empty temporary working directory, as in Colab, so a chapter that reads
-files through relative repository paths fails here already. Timing metadata is not recorded, so
-re-executing an unchanged chapter leaves git diff clean apart from real output changes.
+files through relative repository paths fails here already. Timing metadata is not recorded, and
+a cell's consecutive prints to one stream are stored as one output (how they arrive in pieces
+depends on the machine's speed), so re-executing an unchanged chapter leaves git diff clean apart
+from real output changes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ from book import toc_chapters  # scripts/book.py, beside this file: reads _toc.y
 from nbclient import NotebookClient
 
 
+def merge_streams(outputs: list) -> list:
+    """``outputs`` with each run of consecutive outputs to the same stream joined into one."""
+    merged = []
+    for output in outputs:
+        previous = merged[-1] if merged else None
+        if (
+            output.get("output_type") == "stream"
+            and previous is not None
+            and previous.get("output_type") == "stream"
+            and previous.get("name") == output.get("name")
+        ):
+            previous["text"] += output["text"]
+        else:
+            merged.append(output)
+    return merged
+
+
 def execute(path: Path, timeout: int) -> float:
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
@@ -31,6 +50,9 @@ def execute(path: Path, timeout: int) -> float:
             resources={"metadata": {"path": workdir}},
             record_timing=False,
         ).execute()
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = merge_streams(cell.outputs)
     nbformat.write(nb, path)
     return time.perf_counter() - start
 

@@ -261,7 +261,7 @@ class GroupedQueryAttention(nn.Module):
         bool mask with grouped heads falls back to the slowest): a whole sequence, ``L == S``,
         is plain causal attention (``is_causal=True``); one new token after the cache sees every
         key the cache holds (it keeps at most ``window`` of them)."""
-        if key_padding_mask is None and (self.window is None or S <= self.window):
+        if key_padding_mask is None and (self.window is None or self.window >= S):
             if L == S and self.window is None:
                 return None, True
             if L == 1:
