@@ -19,6 +19,8 @@ import torch.multiprocessing as mp
 from transformer_tutorial import distributed
 from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import pair_lengths, token_batches
+from transformer_tutorial.model import Transformer
+from transformer_tutorial.runtime import set_seed
 from transformer_tutorial.trainer import Trainer, fit
 
 VOCAB = 13  # the digit-reversal task's
@@ -99,14 +101,9 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
     mp.spawn(_train_rank, args=(str(tmp_path / "store"), pairs, tmp_path), nprocs=WORLD)
     ranks = torch.load(tmp_path / "last.pt", weights_only=True)
 
-    one = Trainer(
-        CONFIG,
-        *pairs,
-        vocab_size=VOCAB,
-        out_dir=tmp_path / "one",
-        options=RunOptions(seed=SEED),
-        tokenizer_file=None,
-    )
+    set_seed(SEED)  # the initial weights fit() makes on every rank
+    model = Transformer(CONFIG.model_config(VOCAB))
+    one = Trainer(model, CONFIG, *pairs, folder=tmp_path / "one", options=RunOptions(seed=SEED))
     batches = token_batches(
         pair_lengths(pairs[0]), CONFIG.max_tokens, generator=torch.Generator().manual_seed(SEED)
     )

@@ -22,6 +22,7 @@ from transformer_tutorial.checkpoint import load_model
 from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID
 from transformer_tutorial.decode import beam_search, greedy_decode, translate_sentences
+from transformer_tutorial.model import Transformer
 from transformer_tutorial.trainer import Trainer
 
 IDS = dict(bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
@@ -77,14 +78,9 @@ def threads(request) -> Iterator[int]:
 def test_a_training_step_reads_nothing_back(digit_reversal, tmp_path, threads):
     config = replace(CONFIGS["tiny"], max_tokens=60)
     pairs = digit_reversal.pairs(16, seed=1)
+    model = Transformer(config.model_config(13))
     trainer = Trainer(
-        config,
-        pairs,
-        pairs[:4],
-        vocab_size=13,
-        out_dir=tmp_path,
-        options=RunOptions(progress=False),
-        tokenizer_file=None,
+        model, config, pairs, pairs[:4], folder=tmp_path, options=RunOptions(progress=False)
     )
     batch = list(range(8))
     trainer.train_step(batch)  # the optimizer's state is made at its first step

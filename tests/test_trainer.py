@@ -21,7 +21,9 @@ from conftest import raises
 from transformer_tutorial import trainer
 from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
+from transformer_tutorial.model import Transformer
 from transformer_tutorial.optim import translation_loss
+from transformer_tutorial.run_folder import RunFolder, snapshot_step
 from transformer_tutorial.trainer import (
     Trainer,
     TrainingInterrupted,
@@ -106,10 +108,10 @@ def test_the_last_checkpoints_weights_are_kept_for_averaging_and_resuming_keeps_
         )
 
     run(tmp_path / "one", CONFIG, 10)
-    assert not (tmp_path / "one" / trainer.SNAPSHOT_DIR).exists()  # average_last=1: none kept
+    assert not RunFolder(tmp_path / "one").snapshots()  # average_last=1: none kept
     config = replace(CONFIG, average_last=2)  # checkpoints every 4 steps, and the last one
     model, _ = run(tmp_path / "straight", config, 10)
-    straight = trainer.snapshot_paths(tmp_path / "straight")
+    straight = RunFolder(tmp_path / "straight").snapshots()
     assert [p.name for p in straight] == ["step-0000008.pt", "step-0000010.pt"]
     last = torch.load(straight[-1], weights_only=True)
     assert last["step"] == 10 and "optimizer" not in last  # weights only, not resumable
@@ -118,12 +120,9 @@ def test_the_last_checkpoints_weights_are_kept_for_averaging_and_resuming_keeps_
     # Stopped at step 6 (off the schedule: a snapshot of step 6), then resumed to step 10: the
     # same snapshots as the uninterrupted run, step 6's dropped.
     run(tmp_path / "resumed", config, 6)
-    assert [trainer.snapshot_step(p) for p in trainer.snapshot_paths(tmp_path / "resumed")] == [
-        4,
-        6,
-    ]
+    assert [snapshot_step(p) for p in RunFolder(tmp_path / "resumed").snapshots()] == [4, 6]
     run(tmp_path / "resumed", config, 10, resume=True)
-    resumed = trainer.snapshot_paths(tmp_path / "resumed")
+    resumed = RunFolder(tmp_path / "resumed").snapshots()
     assert [p.name for p in resumed] == [p.name for p in straight]
     for a, b in zip(straight, resumed, strict=True):
         weights_a = torch.load(a, weights_only=True)["model"]
@@ -227,13 +226,12 @@ def test_ids_outside_the_vocabulary_are_refused_where_they_come_in(pairs, tiny_m
         given = {"train_pairs": train_pairs, "val_pairs": val_pairs, where: bad}
         call = functools.partial(
             Trainer,
+            Transformer(CONFIG.model_config(VOCAB)),
             CONFIG,
             given["train_pairs"],
             given["val_pairs"],
-            vocab_size=VOCAB,
-            out_dir=Path("unused"),
+            folder=Path("unused"),
             options=RunOptions(progress=False),
-            tokenizer_file=None,
         )
     raises(call, ValueError, phrase)
 

@@ -16,7 +16,8 @@ from transformer_tutorial.checks import (
     check_number,
     check_optional_int,
 )
-from transformer_tutorial.data import PAD_ID
+from transformer_tutorial.data import BATCH_TOKENS, PAD_ID
+from transformer_tutorial.decode import BEAM_ALPHA
 from transformer_tutorial.model import TransformerConfig
 from transformer_tutorial.optim import paper_peak_lr
 from transformer_tutorial.precision import PRECISIONS
@@ -39,7 +40,7 @@ class TrainConfig:
 
     name: str
     model: TransformerConfig
-    max_tokens: int = 4000
+    max_tokens: int = BATCH_TOKENS
     lr: float = 1e-3
     warmup: int = 800
     label_smoothing: float = 0.1
@@ -51,7 +52,7 @@ class TrainConfig:
     train_size: int | None = None
     eval_size: int | None = None
     beam_size: int = 5
-    alpha: float = 0.6
+    alpha: float = BEAM_ALPHA
     average_last: int = 1
 
     def __post_init__(self) -> None:

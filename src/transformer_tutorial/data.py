@@ -38,6 +38,9 @@ SRC_LANG, TGT_LANG = "de", "en"
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+# Tokens a batch (sources and targets, padded), in training and in decoding: the default of
+# :func:`token_batches`' callers (the recipes' ``max_tokens``, translate_sentences).
+BATCH_TOKENS = 4000
 PAD, BOS, EOS, UNK = SPECIALS
 
 

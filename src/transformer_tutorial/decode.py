@@ -22,7 +22,14 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from transformer_tutorial.checks import check_int, check_number, check_texts
-from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID, pad_batch, token_batches
+from transformer_tutorial.data import (
+    BATCH_TOKENS,
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    pad_batch,
+    token_batches,
+)
 from transformer_tutorial.masks import padding_mask
 from transformer_tutorial.model import DecoderCache
 
@@ -224,7 +231,7 @@ def translate_sentences(
     beam_size: int = 1,
     max_len: int | None = None,
     alpha: float = BEAM_ALPHA,
-    max_tokens: int = 4000,
+    max_tokens: int = BATCH_TOKENS,
 ) -> list[str]:
     """Translate plain sentences into plain detokenised text, in the order given.
 

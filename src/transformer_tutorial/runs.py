@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer
 
 from transformer_tutorial import distributed
-from transformer_tutorial.checkpoint import average_checkpoints, load_model, save_atomic
+from transformer_tutorial.checkpoint import average_checkpoints, load_model
 from transformer_tutorial.configs import CONFIGS, RunOptions, TrainConfig
 from transformer_tutorial.data import (
     cache_dir,
@@ -35,8 +35,9 @@ from transformer_tutorial.decode import bleu, translate_sentences
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.precision import resolve_precision
 from transformer_tutorial.records import RECORD_SAMPLES, RunRecord, git_commit, hardware
+from transformer_tutorial.run_folder import AVERAGED, BEST, TOKENIZER, RunFolder
 from transformer_tutorial.runtime import get_device
-from transformer_tutorial.trainer import evaluate_loss, fit, snapshot_paths
+from transformer_tutorial.trainer import evaluate_loss, fit
 
 # Chapter 10's own run, by device type: a number of steps, so that every machine of a kind trains
 # the same model and the page's numbers hold on it, with a time limit for slow ones. On a CPU 600
@@ -44,10 +45,6 @@ from transformer_tutorial.trainer import evaluate_loss, fit, snapshot_paths
 # `small` (about where its validation loss bottoms out; a minute or two on a recent GPU).
 CHAPTER_STEPS = {"cuda": 2500, "cpu": 600}
 CHAPTER_MINUTES = {"cuda": 10.0, "cpu": 10.0}
-
-
-TOKENIZER_FILE = "tokenizer.json"
-AVERAGED = "averaged.pt"
 
 
 def _prepare_data(
@@ -58,7 +55,7 @@ def _prepare_data(
     learns the tokenizer and the other ranks read it."""
     train_src, train_tgt = (side[: config.train_size] for side in load_split("train"))
     val_src, val_tgt = load_split("val")
-    tokenizer_path = out_dir / TOKENIZER_FILE
+    tokenizer_path = RunFolder(out_dir).tokenizer
     if not resume and distributed.is_main():
         save_tokenizer(train_tokenizer(train_src + train_tgt, config.vocab_size), tokenizer_path)
     distributed.barrier()  # the other ranks read the tokenizer rank 0 wrote
@@ -99,8 +96,9 @@ def _average_snapshots(
 ) -> tuple[Transformer, dict]:
     """Write ``averaged.pt``, the mean of the weights in ``snapshots/``; returns that model and
     what the record keeps of it: the steps averaged and the validation loss."""
-    save_atomic(average_checkpoints(snapshot_paths(out_dir)), out_dir / AVERAGED)
-    model, _, saved = load_model(out_dir / AVERAGED, device)
+    folder = RunFolder(out_dir)
+    folder.save(average_checkpoints(folder.snapshots()), folder.averaged)
+    model, _, saved = load_model(folder.averaged, device)
     val_loss = evaluate_loss(
         model,
         val_pairs,
@@ -140,13 +138,13 @@ def run_experiment(
         vocab_size=tokenizer.get_vocab_size(),
         out_dir=out_dir,
         options=options,
-        tokenizer_file=TOKENIZER_FILE,
+        tokenizer_file=TOKENIZER,
     )
     if not distributed.is_main():
         return None
 
-    best, _, best_checkpoint = load_model(out_dir / "best.pt", device)
-    weights, scored, averaged = "best.pt", best, None
+    best, _, best_checkpoint = load_model(RunFolder(out_dir).best, device)
+    weights, scored, averaged = BEST, best, None
     if config.average_last > 1:
         precision = resolve_precision(options.precision, device)
         scored, averaged = _average_snapshots(config, out_dir, val_pairs, device, precision)
@@ -178,7 +176,7 @@ def run_experiment(
         weights=weights,
         averaged=averaged,
     )
-    record.save(out_dir / "record.json")
+    record.save(RunFolder(out_dir).record)
     return record
 
 
@@ -200,9 +198,9 @@ def find_checkpoint() -> Path | None:
     finished once its folder holds ``best.pt``, ``tokenizer.json`` and ``record.json``.
     """
     for name in RUN_PREFERENCE:
-        folder = runs_dir() / name
-        if all((folder / f).is_file() for f in ("best.pt", TOKENIZER_FILE, "record.json")):
-            return folder / RunRecord.load(folder / "record.json").weights
+        folder = RunFolder(runs_dir() / name)
+        if folder.is_finished():
+            return folder.weights(RunRecord.load(folder.record).weights)
     return None
 
 

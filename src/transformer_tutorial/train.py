@@ -32,6 +32,7 @@ from transformer_tutorial.configs import CONFIGS, RunOptions, TrainConfig
 from transformer_tutorial.data import DatasetUnavailableError
 from transformer_tutorial.precision import PRECISIONS
 from transformer_tutorial.records import describe_run
+from transformer_tutorial.run_folder import RunFolder
 from transformer_tutorial.runs import run_experiment
 from transformer_tutorial.runtime import get_device
 from transformer_tutorial.trainer import TrainingInterrupted
@@ -174,7 +175,7 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions, Path]:
     out_dir = args.out or Path("runs") / args.config
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} is a file; name a folder for the run")
-    last = out_dir / "last.pt"
+    last = RunFolder(out_dir).last
     if args.resume and not last.exists():
         raise UsageError(f"--resume: no checkpoint {last} to resume from")
     if not args.resume and last.exists():
@@ -227,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if record is None:  # a rank other than 0: rank 0 reports
         return 0
     print(describe_run(record))  # the record in a few lines, as chapter 10 shows it
-    print(f"record: {out_dir / 'record.json'}")
+    print(f"record: {RunFolder(out_dir).record}")
     return 0
 
 

@@ -1,14 +1,16 @@
 """Chapter 10: the training loop — batches, steps, validation, resumable checkpoints.
 
-Nothing here knows about translation beyond "pairs of id sequences": :func:`fit` takes a recipe
-(:class:`~transformer_tutorial.configs.TrainConfig`) and encoded pairs, and writes into
-``out_dir``:
+:class:`Trainer` is handed a model (a :class:`~transformer_tutorial.model.Transformer`), a
+recipe (:class:`~transformer_tutorial.configs.TrainConfig`), encoded pairs of id sequences and
+its options, and writes into a :class:`~transformer_tutorial.run_folder.RunFolder`:
 
 - ``last.pt``: everything needed to resume (weights, optimizer, schedule, :class:`TrainState`,
   random number generators), saved every ``checkpoint_every`` steps and when training stops;
 - ``best.pt``: the weights with the lowest validation loss so far;
-- ``snapshots/step-NNNNNNN.pt``: with ``config.average_last`` above 1, the weights of the last
-  ``average_last`` checkpoints, to average (:func:`snapshot_paths`).
+- ``snapshots/``: with ``config.average_last`` above 1, the weights of the last
+  ``average_last`` checkpoints, to average.
+
+:func:`fit` builds the recipe's model and hands it over.
 
 It also runs as one of several processes under ``torchrun`` (chapter 12,
 :mod:`~transformer_tutorial.distributed`): each rank trains on its share of the batches, the
@@ -29,31 +31,16 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from transformer_tutorial import distributed
-from transformer_tutorial.checkpoint import (
-    load_checkpoint,
-    restore_rng_states,
-    rng_states,
-    save_atomic,
-)
+from transformer_tutorial.checkpoint import load_checkpoint, restore_rng_states, rng_states
 from transformer_tutorial.configs import RunOptions, TrainConfig
 from transformer_tutorial.data import PAD_ID, collate, id_range, pair_lengths, token_batches
 from transformer_tutorial.model import Transformer, TransformerConfig, check_id_range
 from transformer_tutorial.optim import make_optimizer, translation_loss
 from transformer_tutorial.precision import autocast, grad_scaler, resolve_precision
+from transformer_tutorial.run_folder import RunFolder
 from transformer_tutorial.runtime import StopRequest, catch_stop_signals, set_seed
 
 Pairs = Sequence[tuple[Sequence[int], Sequence[int]]]
-SNAPSHOT_DIR = "snapshots"
-
-
-def snapshot_paths(out_dir: Path | str) -> list[Path]:
-    """The weights a run kept for averaging (``config.average_last``), oldest first."""
-    return sorted((Path(out_dir) / SNAPSHOT_DIR).glob("step-*.pt"), key=snapshot_step)
-
-
-def snapshot_step(path: Path) -> int:
-    """The step a snapshot was taken at, from its name ``step-NNNNNNN.pt``."""
-    return int(path.stem.removeprefix("step-"))
 
 
 @dataclass
@@ -159,26 +146,27 @@ def evaluate_loss(
 
 
 class Trainer:
-    """One training run of ``config`` on ``train_pairs``, checkpointed into ``out_dir``."""
+    """One training run of ``model`` with the recipe ``config`` on ``train_pairs``, as
+    ``options`` say, checkpointed into ``folder``; :meth:`fit` runs it."""
 
     def __init__(
         self,
+        model: Transformer,
         config: TrainConfig,
         train_pairs: Pairs,
         val_pairs: Pairs,
         *,
-        vocab_size: int,
-        out_dir: Path,
+        folder: RunFolder | Path | str,
         options: RunOptions,
-        tokenizer_file: str | None,
+        tokenizer_file: str | None = None,
     ) -> None:
         self.config, self.train_pairs, self.val_pairs = config, train_pairs, val_pairs
-        self.out_dir, self.tokenizer_file = out_dir, tokenizer_file
+        self.folder = folder if isinstance(folder, RunFolder) else RunFolder(Path(folder))
+        self.options, self.tokenizer_file = options, tokenizer_file
         self.device = device = torch.device(options.device)
         self.seed, self.rank = options.seed, distributed.rank()
         self.world_size = distributed.world_size()
-        set_seed(self.seed)
-        self.model = Transformer(config.model_config(vocab_size)).to(device)
+        self.model = model.to(device)
         for name, pairs in (("train_pairs", train_pairs), ("val_pairs", val_pairs)):
             check_pair_ids(name, pairs, self.model.config)
         self.precision = resolve_precision(options.precision, device)
@@ -206,8 +194,8 @@ class Trainer:
         self.stop_request = StopRequest()  # Ctrl-C or SIGTERM: stop after the current step
 
     def resume(self) -> None:
-        """Continue from ``out_dir/last.pt`` exactly where it stopped."""
-        saved = load_checkpoint(self.out_dir / "last.pt")
+        """Continue from the folder's ``last.pt`` exactly where it stopped."""
+        saved = load_checkpoint(self.folder.last)
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.schedule.load_state_dict(saved["scheduler"])
@@ -223,12 +211,7 @@ class Trainer:
                 torch.manual_seed(self.seed + self.rank + self.state.step)
         self.seconds_before = self.state.train_seconds
         if self.rank == 0:  # the run goes on: the snapshot of where it stopped was off schedule
-            every = self.config.checkpoint_every
-            for path in snapshot_paths(self.out_dir):
-                step = snapshot_step(path)
-                on_schedule = every and step % every == 0
-                if step > self.state.step or not on_schedule:
-                    path.unlink()
+            self.folder.drop_snapshots_off_schedule(self.state.step, self.config.checkpoint_every)
 
     def elapsed(self) -> float:
         """Seconds of training in this run, earlier sessions of a resumed run included."""
@@ -263,7 +246,7 @@ class Trainer:
         if self.rank:
             return
         extra = {"rank_rng": rank_rng} if self.world_size > 1 else {}
-        save_atomic(
+        self.folder.save(
             {
                 **self._checkpoint(),
                 "optimizer": self.optimizer.state_dict(),
@@ -274,7 +257,7 @@ class Trainer:
                 "rng": rank_rng[0],
                 **extra,
             },
-            self.out_dir / "last.pt",
+            self.folder.last,
         )
 
     def save_snapshot(self) -> None:
@@ -282,11 +265,9 @@ class Trainer:
         ``config.average_last`` of them only (rank 0 writes; nothing when it is 1)."""
         if self.config.average_last < 2 or self.rank:
             return
-        folder = self.out_dir / SNAPSHOT_DIR
-        folder.mkdir(exist_ok=True)
-        save_atomic(self._checkpoint(), folder / f"step-{self.state.step:07d}.pt")
-        for old in snapshot_paths(self.out_dir)[: -self.config.average_last]:
-            old.unlink()
+        self.folder.save_snapshot(
+            self._checkpoint(), self.state.step, keep=self.config.average_last
+        )
 
     def validate(self) -> float:
         """The validation loss now; ``best.pt`` is rewritten when it is the lowest so far.
@@ -305,7 +286,7 @@ class Trainer:
         state.history["val"].append(self._entry(val_loss=val_loss))
         if val_loss < state.best_val_loss:
             state.best_val_loss = val_loss
-            save_atomic({**self._checkpoint(), "val_loss": val_loss}, self.out_dir / "best.pt")
+            self.folder.save({**self._checkpoint(), "val_loss": val_loss}, self.folder.best)
         return val_loss
 
     def train_step(self, batch: Sequence[int]) -> tuple[Tensor, Tensor]:
@@ -402,12 +383,11 @@ class Trainer:
             self._end_epoch(progress)
         return stopped_by
 
-    def fit(
-        self, *, max_steps: int | None, max_minutes: float | None, progress: bool
-    ) -> TrainState:
-        """Train until ``config.epochs``, ``max_steps`` or ``max_minutes``, then validate and
-        save ``last.pt``."""
-        state = self.state
+    def fit(self) -> TrainState:
+        """Train until ``config.epochs`` or the options' ``max_steps`` or ``max_minutes``, then
+        validate and save ``last.pt``."""
+        state, options = self.state, self.options
+        max_steps, max_minutes = options.max_steps, options.max_minutes
         deadline = math.inf if max_minutes is None else self.started + 60 * max_minutes
 
         def should_stop() -> str:
@@ -420,7 +400,7 @@ class Trainer:
             return distributed.agree_on_stop(reason, self.device)  # every rank stops together
 
         self.model.train()
-        progress = progress and self.rank == 0
+        progress = self.options.progress and self.rank == 0
         stopped_by = should_stop() if max_steps is not None else ""
         with catch_stop_signals(self.stop_request):
             while not stopped_by and state.epoch < self.config.epochs:
@@ -429,7 +409,7 @@ class Trainer:
                     self.save_last()
         if stopped_by == "interrupted":
             self.save_last()
-            raise TrainingInterrupted(state.step, self.out_dir / "last.pt")
+            raise TrainingInterrupted(state.step, self.folder.last)
         if not state.history["val"] or state.history["val"][-1]["step"] != state.step:
             self.validate()
         self.save_snapshot()
@@ -448,26 +428,26 @@ def fit(
     options: RunOptions = RunOptions(),
     tokenizer_file: str | None = None,
 ) -> tuple[Transformer, TrainState]:
-    """Train a model of ``config`` on ``train_pairs`` as ``options`` say; checkpoint into
-    ``out_dir``, always ending with a validation loss and a saved ``last.pt``.
+    """Train a new model of ``config`` for ``vocab_size`` tokens (seeded by ``options.seed``) on
+    ``train_pairs`` as ``options`` say; checkpoint into ``out_dir``, always ending with a
+    validation loss and a saved ``last.pt``.
 
     Returns:
         The model (last weights) and the :class:`TrainState`.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    folder = RunFolder(Path(out_dir))
+    folder.create()
+    set_seed(options.seed)  # the same initial weights on every rank
+    model = Transformer(config.model_config(vocab_size))
     trainer = Trainer(
+        model,
         config,
         train_pairs,
         val_pairs,
-        vocab_size=vocab_size,
-        out_dir=out_dir,
+        folder=folder,
         options=options,
         tokenizer_file=tokenizer_file,
     )
     if options.resume:
         trainer.resume()
-    state = trainer.fit(
-        max_steps=options.max_steps, max_minutes=options.max_minutes, progress=options.progress
-    )
-    return trainer.model, state
+    return trainer.model, trainer.fit()
