@@ -13,52 +13,54 @@ from pathlib import Path
 import torch
 
 import bench
-from transformer_tutorial.checks import check_int
+from transformer_tutorial.checks import ArgumentParser, device_arg, int_arg, number_arg
 from transformer_tutorial.configs import RunOptions
 from transformer_tutorial.precision import DTYPES
 from transformer_tutorial.records import cpu_name, git_commit, hardware
-from transformer_tutorial.runtime import check_device
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def cpu_or_cuda(text: str) -> torch.device:
+    """An argparse ``type``: a CPU or CUDA device this machine has."""
+    device = torch.device(device_arg(text))
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda, got {text!r}")
+    return device
+
+
+def existing_file(text: str) -> Path:
+    """An argparse ``type``: a file that exists."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return Path(text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    """The arguments, each checked by its converter: a mistake is one line and exit status 2
+    (:class:`transformer_tutorial.checks.ArgumentParser`)."""
+    parser = ArgumentParser(
         prog="python -m bench",
         description=bench.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    add("--device", default="cpu", help="cpu (default) or cuda")
-    add("--threads", type=int, default=2, help="CPU threads (default 2)")
-    add("--repeats", type=int, default=5, help="timed runs a measurement")
-    add("--warmup", type=int, default=1, help="untimed runs first")
+    add("--device", type=cpu_or_cuda, default="cpu", help="cpu (default) or cuda")
+    add("--threads", type=int_arg(at_least=1), default=2, help="CPU threads (default 2)")
+    add("--repeats", type=int_arg(at_least=1), default=5, help="timed runs a measurement")
+    add("--warmup", type=int_arg(at_least=0), default=1, help="untimed runs first")
     add("--quick", action="store_true", help="tiny sizes: a smoke test")
     add("--no-compile", action="store_true", help="skip torch.compile")
     add("--precision", choices=["bf16", "fp32"], default="bf16", help="on CUDA (CPU: fp32)")
-    add("--sentences", type=int, default=200, help="test2016 sentences, beam")
-    add("--checkpoint", type=Path, help="trained model (default: cached run)")
-    add("--peak-tflops", type=float, help="data-sheet peak for MFU where the table has none")
+    add("--sentences", type=int_arg(at_least=1), default=200, help="test2016 sentences, beam")
+    add("--checkpoint", type=existing_file, help="trained model (default: cached run)")
+    add(
+        "--peak-tflops",
+        type=number_arg(low=0.0, low_open=True),
+        help="data-sheet peak for MFU where the table has none",
+    )
     add("--out", type=Path, default=RESULTS, help="results folder")
     return parser.parse_args(argv)
-
-
-def check_args(args: argparse.Namespace) -> torch.device:
-    """The device ``args`` name; a ``ValueError`` naming the first argument that is not valid."""
-    for name in ("threads", "repeats", "sentences"):
-        check_int(f"--{name}", getattr(args, name), at_least=1)
-    check_int("--warmup", args.warmup, at_least=0)
-    if args.peak_tflops is not None and not args.peak_tflops > 0:
-        raise ValueError(f"--peak-tflops must be greater than 0, got {args.peak_tflops}")
-    if args.checkpoint is not None and not args.checkpoint.is_file():
-        raise ValueError(f"--checkpoint {args.checkpoint}: no such file")
-    try:
-        device = check_device(args.device)
-    except ValueError as err:
-        raise ValueError(f"--{err}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
-    return device
 
 
 @dataclass(frozen=True)

@@ -161,16 +161,19 @@ def test_matmul_peak_times_a_square_product(bench):
 @pytest.mark.parametrize(
     ("arg", "message"),
     [
-        ("--threads=0", "--threads must be at least 1, got 0"),
-        ("--warmup=-1", "--warmup must be at least 0, got -1"),
-        ("--peak-tflops=0", "--peak-tflops must be greater than 0, got 0.0"),
-        ("--device=tpu0", "--device 'tpu0' is not a device name; this machine has"),
+        ("--threads=0", "error: argument --threads: must be at least 1, got 0"),
+        ("--warmup=-1", "error: argument --warmup: must be at least 0, got -1"),
+        ("--peak-tflops=0", "error: argument --peak-tflops: must be greater than 0.0, got 0.0"),
+        ("--device=tpu0", "error: argument --device: device 'tpu0' is not a device name"),
+        ("--checkpoint=nowhere.pt", "error: argument --checkpoint: no such file: nowhere.pt"),
     ],
 )
-def test_bench_bad_arguments_exit_1_with_one_line(bench, capsys, arg, message):
-    assert bench.__main__.main([arg]) == 1
+def test_bench_bad_arguments_exit_2_with_one_line(bench, capsys, arg, message):
+    with pytest.raises(SystemExit) as stop:
+        bench.__main__.main([arg])
     err = capsys.readouterr().err
-    assert err.startswith(f"bench: {message}") and err.count("\n") == 1
+    assert stop.value.code == 2
+    assert err.startswith(message) and err.count("\n") == 1, err
 
 
 PEAK_SCRIPT = """
