@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import raises, to_device
+from helpers import raises, to_device
 from transformer_tutorial import set_seed
 from transformer_tutorial.attention import MultiHeadAttention, scaled_dot_product_attention
 from transformer_tutorial.copy_weights import copy_mha

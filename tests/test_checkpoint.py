@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from conftest import raises
+from helpers import raises
 from transformer_tutorial.checkpoint import (
     CheckpointError,
     average_checkpoints,

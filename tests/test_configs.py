@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import raises
+from helpers import raises
 from transformer_tutorial.configs import CONFIGS, TrainConfig
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.optim import paper_peak_lr

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import to_device
+from helpers import to_device
 from transformer_tutorial.attention import MultiHeadAttention
 from transformer_tutorial.copy_weights import (
     copy_decoder,

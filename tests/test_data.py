@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import raises
+from helpers import raises
 from transformer_tutorial import data
 from transformer_tutorial.data import (
     BOS_ID,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import raises
+from helpers import raises
 from transformer_tutorial.checkpoint import load_model
 from transformer_tutorial.decode import (
     EXTRA_DECODE_TOKENS,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import raises, to_device
+from helpers import raises, to_device
 from transformer_tutorial.feed_forward import (
     FEED_FORWARDS,
     SwiGLU,

@@ -11,7 +11,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.activations import ACT2FN
 
-from conftest import raises, to_device
+from helpers import raises, to_device
 from transformer_tutorial.gpt2_weights import (
     copy_from_gpt2,
     copy_to_gpt2,

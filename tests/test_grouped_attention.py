@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, masking_utils
 from transformers.models.qwen3 import modeling_qwen3
 
-from conftest import raises
+from helpers import raises
 from transformer_tutorial.attention import MultiHeadAttention
 from transformer_tutorial.grouped_attention import (
     GroupedKVCache,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from conftest import raises, to_device
+from helpers import raises, to_device
 from transformer_tutorial.hf_weights import (
     copy_from_llama,
     copy_from_qwen3,

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import raises
+from helpers import raises
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding, TokenEmbedding
 from transformer_tutorial.feed_forward import SwiGLU
 from transformer_tutorial.grouped_attention import GroupedQueryAttention

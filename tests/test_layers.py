@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import to_device
+from helpers import to_device
 from transformer_tutorial import set_seed
 from transformer_tutorial.copy_weights import copy_decoder_layer, copy_encoder_layer
 from transformer_tutorial.layers import DecoderLayer, EncoderLayer, FeedForward, LayerNorm

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import raises
+from helpers import raises
 from transformer_tutorial import data
 from transformer_tutorial.language_model import LanguageModel, LMConfig
 from transformer_tutorial.lm_comparison import (

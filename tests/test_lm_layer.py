@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import to_device
+from helpers import to_device
 from transformer_tutorial.copy_weights import copy_encoder_layer
 from transformer_tutorial.language_model import LMConfig
 from transformer_tutorial.lm_layer import DecoderOnlyLayer

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import transformer_tutorial.layers as layers
-from conftest import raises, tiny_config, to_device
+from helpers import raises, tiny_config, to_device
 from transformer_tutorial.copy_weights import copy_decoder, copy_encoder, copy_transformer
 from transformer_tutorial.data import BOS_ID, PAD_ID
 from transformer_tutorial.layers import DecoderLayer, EncoderLayer

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import raises, to_device
+from helpers import raises, to_device
 from transformer_tutorial.layers import LayerNorm
 from transformer_tutorial.norms import RMSNorm, build_norm
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from conftest import raises, to_device
+from helpers import raises, to_device
 from transformer_tutorial.embeddings import sinusoidal_table
 from transformer_tutorial.rotary import (
     LAYOUTS,

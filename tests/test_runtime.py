@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import raises
+from helpers import raises
 from transformer_tutorial.runtime import DEVICE_VARIABLE, get_device, set_seed
 
 

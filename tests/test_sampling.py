@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from conftest import raises
+from helpers import raises
 from transformer_tutorial.language_model import LanguageModel, LMConfig
 from transformer_tutorial.sampling import (
     apply_temperature,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import raises
+from helpers import raises
 from transformer_tutorial import trainer
 from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
