@@ -7,8 +7,9 @@ copies PyTorch's weights into them for the equality checks. Imports run one way:
 
 The training side (chapter 10), one job a module, none of which the model imports: ``data``
 (corpus, tokenizer, batches), ``optim`` (loss, optimizer, schedule), ``configs`` (the named
-recipes), ``checkpoint`` (save, load, average), ``trainer`` (the loop), ``runs`` (a whole run,
-the runs cache), ``records`` (what a run was and how it went); ``decode`` (chapter 11: greedy,
+recipes), ``checkpoint`` (save, load, average), ``trainer`` (the loop), ``run_folder`` (a
+run's files), ``runs`` (a whole run, the runs cache), ``records`` (what a run was and how it
+went); ``decode`` (chapter 11: greedy,
 beam search, BLEU). The command lines
 are ``train`` and ``translate``; ``runtime`` picks the device and seeds. Chapter 12 adds
 ``precision`` (fp32, bf16 or fp16 with loss scaling) and ``distributed`` (many processes under
@@ -21,7 +22,7 @@ factories that choose the pieces below), ``sampling`` (temperature, top-k, top-p
 Qwen3), ``norms`` (RMSNorm), ``feed_forward`` (SwiGLU), ``rotary`` (rotary position
 embeddings, three layouts), ``grouped_attention`` (grouped-query attention, QK-norm, sliding
 windows, the KV cache's bytes). ``flops`` counts a step's floating-point operations, ``checks``
-validates arguments, ``plotting`` draws the book's figures.
+validates arguments (and the command lines' flags), ``plotting`` draws the book's figures.
 
 Shape vocabulary, batch-first everywhere:
 

@@ -2,9 +2,9 @@
 
 Shapes: ``x`` ``(B, L, D)`` throughout; ``memory`` (the encoder's output) ``(B, S, D)``.
 Layer bodies follow ``torch.nn.TransformerEncoderLayer``: named sub-blocks ``_sa_block``,
-``_mha_block``, ``_ff_block`` under one ``if self.norm_first:``. ``norm_first=False`` is the
-paper's post-norm, ``x = norm(x + sublayer(x))``; ``norm_first=True`` is pre-norm,
-``x = x + sublayer(norm(x))``.
+``_ca_block`` (PyTorch's ``_mha_block``), ``_ff_block`` under one ``if self.norm_first:``.
+``norm_first=False`` is the paper's post-norm, ``x = norm(x + sublayer(x))``;
+``norm_first=True`` is pre-norm, ``x = x + sublayer(norm(x))``.
 """
 
 from __future__ import annotations
