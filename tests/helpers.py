@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID
+from transformer_tutorial.language_model import LMConfig
 from transformer_tutorial.model import TransformerConfig
 
 
@@ -105,3 +106,22 @@ class DigitReversal:
             digits = [x for x in row if x != PAD_ID]
             pairs.append((digits, digits[::-1]))
         return pairs
+
+
+def lm_config(**changes) -> LMConfig:
+    """The decoder-only model the reference tests compare: 50 tokens, D = 32, 4 heads, 3 layers,
+    F = 48, 16 positions; ``changes`` override fields."""
+    sizes = dict(vocab_size=50, d_model=32, n_heads=4, n_layers=3, d_ff=48, max_len=16)
+    return LMConfig(**(sizes | changes))
+
+
+def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every weight redrawn, norms' gains around 1 (GPT-2's ``ln_*``, every ``*norm*``): nothing
+    left at 0 or 1, so a weight copied to the wrong place shows. In eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.3 * torch.randn(p.shape, generator=g)
+            norm = "ln" in name or "norm" in name
+            p.copy_(noise + 1.0 if norm and name.endswith("weight") else noise)
+    return model.eval()

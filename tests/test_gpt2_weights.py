@@ -11,35 +11,20 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.activations import ACT2FN
 
-from helpers import raises, to_device
+from helpers import lm_config as config
+from helpers import raises, randomized, to_device
 from transformer_tutorial.gpt2_weights import (
     copy_from_gpt2,
     copy_to_gpt2,
     gpt2_config,
     lm_config_from_gpt2,
 )
-from transformer_tutorial.language_model import LanguageModel, LMConfig, next_token_loss
+from transformer_tutorial.language_model import LanguageModel, next_token_loss
 from transformer_tutorial.layers import ACTIVATIONS
 from transformer_tutorial.sampling import generate
 
-V, B, T = 50, 3, 16
+V, B, T = 50, 3, 16  # helpers.lm_config's vocabulary and positions
 ATOL = RTOL = 1e-5  # float32
-
-
-def config(**changes) -> LMConfig:
-    sizes = dict(vocab_size=V, d_model=32, n_heads=4, n_layers=3, d_ff=48, max_len=T)
-    return LMConfig(**(sizes | changes))
-
-
-def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every weight redrawn, norms' gains around 1: nothing left at 0 or 1."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = 0.3 * torch.randn(p.shape, generator=g)
-            norm = "ln" in name or "norm" in name  # GPT-2's ln_*, our norm*
-            p.copy_(noise + 1.0 if norm and name.endswith("weight") else noise)
-    return model.eval()
 
 
 def ids(seed: int = 0) -> torch.Tensor:

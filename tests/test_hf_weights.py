@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from helpers import raises, to_device
+from helpers import lm_config as config
+from helpers import raises, randomized, to_device
 from transformer_tutorial.hf_weights import (
     copy_from_llama,
     copy_from_qwen3,
@@ -24,24 +25,8 @@ from transformer_tutorial.language_model import LanguageModel, LMConfig
 from transformer_tutorial.lm_pieces import LLAMA, QWEN3
 from transformer_tutorial.sampling import generate
 
-V, B, T = 50, 3, 16
+V, B, T = 50, 3, 16  # helpers.lm_config's vocabulary and positions
 ATOL = RTOL = 1e-5  # float32
-
-
-def config(**changes) -> LMConfig:
-    sizes = dict(vocab_size=V, d_model=32, n_heads=4, n_layers=3, d_ff=48, max_len=T)
-    return LMConfig(**(sizes | changes))
-
-
-def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every weight redrawn, norms' gains around 1: nothing left at 0 or 1."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = 0.3 * torch.randn(p.shape, generator=g)
-            norm = "norm" in name  # ours and their *norm, *_layernorm
-            p.copy_(noise + 1.0 if norm and name.endswith("weight") else noise)
-    return model.eval()
 
 
 def ids(seed: int = 0) -> torch.Tensor:
