@@ -10,7 +10,8 @@ vendored MathJax, link only to pages and anchors that exist, and offer its sourc
 chapter must open Colab on itself and state its prerequisites and what it adds to the package;
 the landing page's diagram must link every published chapter. For a person to look at, it saves a
 full-page screenshot of every page under ``_build/screenshots/``, and in ``dark/`` one screen of
-it in dark mode, around its first figure.
+it in dark mode, around its first figure; ``WEBSITE_SCREENSHOTS=0`` skips them (CI does: nobody
+looks at them there, and they are half of this file's time).
 
 Chromium is the system's (``apt-get install chromium``; another binary via ``CHROMIUM_PATH``),
 driven by Playwright. Without one these tests skip, except when ``REQUIRE_BROWSER=1`` (CI sets it):
@@ -53,6 +54,7 @@ VIEWPORT = {"width": 1280, "height": 900}
 PHONE = {"width": 400, "height": 800}
 LOAD_AHEAD = 3  # pages loading in the background while one is read: keeps both CPU cores busy
 PAGE_TIMEOUT_MS = 120_000  # generous: the machine may be shared
+SCREENSHOTS_WANTED = os.environ.get("WEBSITE_SCREENSHOTS", "1") != "0"
 PAGES = toc_files()
 CHAPTERS = [p for p in PAGES if (ROOT / f"{p}.ipynb").exists()]
 FIGURE_TYPES = ("image/png", "image/jpeg", "image/svg+xml")
@@ -283,7 +285,8 @@ def _finish(visit: Visit, page, name: str) -> Visit:
     page.wait_for_load_state("load")
     _switch_theme(page, "light")
     visit.light = page.evaluate(INSPECT_JS)
-    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+    if SCREENSHOTS_WANTED:
+        page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
     zoomable = page.query_selector("div.cell_output img.book-zoomable")
     if zoomable:
         zoomable.click()
@@ -293,9 +296,10 @@ def _finish(visit: Visit, page, name: str) -> Visit:
     _switch_theme(page, "dark")
     visit.dark = page.evaluate(INSPECT_JS)
     # Dark mode, one screen: around the first figure (or the diagram), else the top of the page.
-    page.evaluate("""() => { const f = document.querySelector("div.cell_output img, svg.arch");
-                             window.scrollTo(0, f ? f.getBoundingClientRect().top + scrollY - 200 : 0); }""")
-    page.screenshot(path=str(SCREENSHOTS / "dark" / f"{name}.png"))
+    if SCREENSHOTS_WANTED:
+        page.evaluate("""() => { const f = document.querySelector("div.cell_output img, svg.arch");
+                                 window.scrollTo(0, f ? f.getBoundingClientRect().top + scrollY - 200 : 0); }""")
+        page.screenshot(path=str(SCREENSHOTS / "dark" / f"{name}.png"))
     page.set_viewport_size(PHONE)
     visit.phone_overflow = page.evaluate(
         "document.documentElement.scrollWidth - window.innerWidth"
