@@ -35,6 +35,11 @@ def raises(call: Callable[[], object], error: type[Exception], phrase: str) -> B
     return info.value
 
 
+def no_causal_mask(q_len, k_len=None, *, device=None):
+    """A stand-in for ``causal_mask`` that blocks nothing."""
+    return torch.zeros(q_len, k_len or q_len, dtype=torch.bool, device=device)
+
+
 def tiny_config(**changes) -> TransformerConfig:
     """Two layers each side, D = 16, 4 heads, no dropout; vocabularies of 11 and 13 tokens."""
     sizes = dict(

@@ -2,7 +2,7 @@
 setting that is not a weight but differs is refused with a message saying what to change.
 
 The layer- and stack-level equality checks that use these functions live with the modules they
-check (test_attention.py, test_layers.py, test_model.py); here: nn.Transformer as a whole, and
+check (test_attention.py, test_layers.py, test_stacks.py); here: nn.Transformer as a whole, and
 the refusals.
 """
 

@@ -1,9 +1,9 @@
 """Transformer, piece by piece: the encoder–decoder Transformer of Vaswani et al. (2017).
 
 The model, one module per idea, in the chapters' order: ``embeddings`` (chapters 1–2),
-``attention`` (3–4), ``layers`` (5, 7, 8), ``masks`` (6), ``model`` (7–9); ``copy_weights``
-copies PyTorch's weights into them for the equality checks. Imports run one way:
-``embeddings``, ``masks`` → ``attention`` → ``layers`` → ``model``.
+``attention`` (3–4), ``layers`` (5, 7, 8), ``masks`` (6), ``stacks`` (7–8), ``model`` (9);
+``copy_weights`` copies PyTorch's weights into them for the equality checks. Imports run one
+way: ``embeddings``, ``masks`` → ``attention`` → ``layers`` → ``stacks`` → ``model``.
 
 The training side (chapter 10), one job a module, none of which the model imports: ``data``
 (corpus, tokenizer, batches), ``optim`` (loss, optimizer, schedule), ``configs`` (the named

@@ -1,13 +1,13 @@
-"""Chapters 7–9: the encoder and decoder stacks and the whole encoder–decoder Transformer.
+"""Chapter 9: the whole encoder–decoder Transformer, its config and its decoding cache.
 
 Shapes: source ids ``(B, S)``, target ids ``(B, T)`` → logits ``(B, T, V)``; the encoder's
 output, the "memory", is ``(B, S, D)``. The model returns logits: softmax belongs to the loss
-(``F.cross_entropy``) and to decoding.
+(``F.cross_entropy``) and to decoding. The stacks it is built from, :class:`Encoder` and
+:class:`Decoder` (chapters 7–8), live in :mod:`~transformer_tutorial.stacks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -15,119 +15,9 @@ from torch import Tensor, nn
 
 from transformer_tutorial.checks import check_bool, check_choice, check_int, check_number
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding, TokenEmbedding
-from transformer_tutorial.layers import (
-    ACTIVATIONS,
-    DecoderLayer,
-    EncoderLayer,
-    LayerCache,
-    LayerNorm,
-)
+from transformer_tutorial.layers import ACTIVATIONS, DecoderLayer, EncoderLayer, LayerCache
 from transformer_tutorial.masks import padding_mask
-
-
-class Encoder(nn.Module):
-    """A stack of :class:`EncoderLayer`, plus a final LayerNorm when the layers are pre-norm.
-
-    In pre-norm the residual stream is never normalised inside the stack, so the stack ends with
-    one LayerNorm; post-norm layers already end with one. Like ``nn.ModuleList``, it takes the
-    layers themselves, each initialised on its own.
-
-    Shapes:
-        x ``(B, S, D)``, src_key_padding_mask ``(B, S)`` → memory ``(B, S, D)``.
-    """
-
-    def __init__(self, layers: Iterable[EncoderLayer]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.norm = _final_norm(self.layers)
-
-    def forward(self, x: Tensor, *, src_key_padding_mask: Tensor | None = None) -> Tensor:
-        for layer in self.layers:
-            x = layer(x, src_key_padding_mask=src_key_padding_mask)
-        return x if self.norm is None else self.norm(x)
-
-    def forward_with_weights(
-        self, x: Tensor, *, src_key_padding_mask: Tensor | None = None
-    ) -> tuple[Tensor, list[Tensor]]:
-        """As :meth:`forward`, with every layer's self-attention weights ``(B, H, S, S)``."""
-        weights = []
-        for layer in self.layers:
-            x, w = layer.forward_with_weights(x, src_key_padding_mask=src_key_padding_mask)
-            weights.append(w)
-        return (x if self.norm is None else self.norm(x)), weights
-
-
-class Decoder(nn.Module):
-    """A stack of :class:`DecoderLayer`, plus a final LayerNorm when the layers are pre-norm.
-
-    Shapes:
-        x ``(B, T, D)``, memory ``(B, S, D)`` → ``(B, T, D)``.
-    """
-
-    def __init__(self, layers: Iterable[DecoderLayer]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.norm = _final_norm(self.layers)
-
-    def forward(
-        self,
-        x: Tensor,
-        memory: Tensor,
-        *,
-        tgt_key_padding_mask: Tensor | None = None,
-        memory_key_padding_mask: Tensor | None = None,
-    ) -> Tensor:
-        for layer in self.layers:
-            x = layer(
-                x,
-                memory,
-                tgt_key_padding_mask=tgt_key_padding_mask,
-                memory_key_padding_mask=memory_key_padding_mask,
-            )
-        return x if self.norm is None else self.norm(x)
-
-    def forward_with_weights(
-        self,
-        x: Tensor,
-        memory: Tensor,
-        *,
-        tgt_key_padding_mask: Tensor | None = None,
-        memory_key_padding_mask: Tensor | None = None,
-    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """As :meth:`forward`, with every layer's ``(self-attention, cross-attention)``
-        weights."""
-        weights = []
-        for layer in self.layers:
-            x, w = layer.forward_with_weights(
-                x,
-                memory,
-                tgt_key_padding_mask=tgt_key_padding_mask,
-                memory_key_padding_mask=memory_key_padding_mask,
-            )
-            weights.append(w)
-        return (x if self.norm is None else self.norm(x)), weights
-
-    def step(
-        self,
-        x: Tensor,
-        caches: tuple[LayerCache, ...],
-        *,
-        memory_key_padding_mask: Tensor | None = None,
-    ) -> tuple[Tensor, tuple[LayerCache, ...]]:
-        """Run new positions through every layer, each with its own cache."""
-        new_caches = []
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x, cache = layer.step(x, cache, memory_key_padding_mask=memory_key_padding_mask)
-            new_caches.append(cache)
-        return (x if self.norm is None else self.norm(x)), tuple(new_caches)
-
-
-def _final_norm(layers: nn.ModuleList) -> LayerNorm | None:
-    """The LayerNorm a pre-norm stack ends with (shaped like its layers' own), else None."""
-    if len(layers) == 0:
-        raise ValueError("a stack needs at least one layer, got none")
-    first = layers[0].norm1
-    return LayerNorm(first.weight.numel(), first.eps) if layers[0].norm_first else None
+from transformer_tutorial.stacks import Decoder, Encoder
 
 
 @dataclass(frozen=True)
