@@ -5,15 +5,14 @@ The model, one module per idea, in the chapters' order: ``embeddings`` (chapters
 ``copy_weights`` copies PyTorch's weights into them for the equality checks. Imports run one
 way: ``embeddings``, ``masks`` → ``attention`` → ``layers`` → ``stacks`` → ``model``.
 
-The training side (chapter 10), one job a module, none of which the model imports: ``data``
-(corpus, tokenizer, batches), ``optim`` (loss, optimizer, schedule), ``configs`` (the named
-recipes), ``checkpoint`` (save, load, average), ``trainer`` (the loop), ``run_folder`` (a
-run's files), ``runs`` (a whole run, the runs cache), ``records`` (what a run was and how it
-went); ``decode`` (chapter 11: greedy,
-beam search, BLEU). The command lines
-are ``train`` and ``translate``; ``runtime`` picks the device and seeds. Chapter 12 adds
-``precision`` (fp32, bf16 or fp16 with loss scaling) and ``distributed`` (many processes under
-``torchrun``), which the trainer uses.
+The training side (chapter 10), one job a module, none of which the model imports:
+``multi30k`` (the corpus's files and splits), ``data`` (tokenizer, batches), ``optim`` (loss,
+optimizer, schedule), ``configs`` (the named recipes), ``checkpoint`` (save, load, average),
+``trainer`` (the loop), ``run_folder`` (a run's files), ``runs`` (a whole run, the runs cache),
+``records`` (what a run was and how it went); ``decode`` (chapter 11: greedy, beam search,
+BLEU). The command lines are ``train`` and ``translate``; ``runtime`` picks the device and
+seeds. Chapter 12 adds ``precision`` (fp32, bf16 or fp16 with loss scaling) and ``distributed``
+(many processes under ``torchrun``), which the trainer uses.
 
 From 2017 to today (chapters 13–17), each modern change a small switchable piece:
 ``language_model`` (the decoder alone, GPT), its layer ``lm_layer`` and ``lm_pieces`` (the

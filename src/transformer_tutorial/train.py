@@ -29,7 +29,7 @@ from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import CheckpointError, load_checkpoint
 from transformer_tutorial.checks import ArgumentParser, device_arg, int_arg, number_arg
 from transformer_tutorial.configs import CONFIGS, RunOptions, TrainConfig
-from transformer_tutorial.data import DatasetUnavailableError
+from transformer_tutorial.multi30k import DatasetUnavailableError
 from transformer_tutorial.precision import PRECISIONS
 from transformer_tutorial.records import describe_run
 from transformer_tutorial.run_folder import RunFolder
