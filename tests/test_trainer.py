@@ -1,8 +1,8 @@
 """Chapter 10's training loop: a resumed run equals an uninterrupted one, checkpoints hold what
-resuming needs, the time budget and the epochs stop it, training time is counted once, the
-validation loss is training's criterion with dropout off, and a run stopped by Ctrl-C or SIGTERM
-saves its step and resumes exactly; bad RunOptions are refused with a message that says what is
-wrong."""
+resuming needs, the time budget and the epochs stop it, training time is counted once, ids
+outside the vocabulary are refused where the pairs come in, and a run stopped by Ctrl-C or
+SIGTERM saves its step and resumes exactly; bad RunOptions are refused with a message that says
+what is wrong. The losses themselves are tested in ``test_pair_loss.py``."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import torch
 from helpers import raises
 from transformer_tutorial import trainer
 from transformer_tutorial.configs import CONFIGS, RunOptions
-from transformer_tutorial.data import PAD_ID, collate, pair_lengths, token_batches
+from transformer_tutorial.data import pair_lengths, token_batches
 from transformer_tutorial.model import Transformer
-from transformer_tutorial.optim import translation_loss
 from transformer_tutorial.run_folder import RunFolder, snapshot_step
 from transformer_tutorial.trainer import (
     Trainer,
@@ -152,64 +151,6 @@ def test_training_time_is_counted_once(pairs, tmp_path, monkeypatch):
     assert 0 < state.train_seconds <= len(readings)
     elapsed = [e["elapsed_s"] for e in state.history["train"]]
     assert elapsed == sorted(elapsed) and elapsed[-1] <= len(readings)
-
-
-def test_evaluate_loss_is_the_training_criterion_per_token_with_dropout_off(pairs, tiny_model):
-    model = tiny_model(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, dropout=0.5).train()
-    val = pairs[1]
-    loss = evaluate_loss(
-        model, val, max_tokens=10_000, label_smoothing=0.1, device=torch.device("cpu")
-    )
-    assert model.training  # its mode is given back
-    src, tgt_in, tgt_out = collate(val)
-    with torch.no_grad():
-        expected = translation_loss(
-            model.eval()(src, tgt_in), tgt_out, smoothing=0.1, ignore_index=PAD_ID
-        )
-    assert loss == pytest.approx(expected.item(), rel=1e-5)
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_batch_loss_without_padding_logits_equals_the_full_loss_and_gradients(
-    pairs, tiny_model, seed, threads
-):
-    """The output layer and the loss run on the real target tokens only: the same loss and
-    gradients (float32, to 1e-5 relative) as logits for every position and ``ignore_index``.
-    With dropout on: both draw the same masks (they differ after the decoder only)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    batch = pairs[0][:16]
-    model = tiny_model(seed=seed, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, dropout=0.1)
-    model.train()
-    results = []
-    try:
-        for padding_free in (True, False):
-            torch.manual_seed(seed)
-            model.zero_grad()
-            if padding_free:
-                loss, tokens = trainer.batch_loss(
-                    model, batch, label_smoothing=0.1, device=torch.device("cpu"), precision="fp32"
-                )
-            else:
-                src, tgt_in, tgt_out = collate(batch)
-                loss = translation_loss(
-                    model(src, tgt_in),
-                    tgt_out,
-                    smoothing=0.1,
-                    ignore_index=PAD_ID,
-                    reduction="sum",
-                )
-                tokens = int((tgt_out != PAD_ID).sum())
-            loss.backward()
-            results.append((loss.detach(), tokens, [p.grad.clone() for p in model.parameters()]))
-    finally:
-        torch.set_num_threads(before)
-    (loss, tokens, grads), (full_loss, full_tokens, full_grads) = results
-    assert tokens == full_tokens
-    torch.testing.assert_close(loss, full_loss, rtol=1e-5, atol=0)
-    for grad, full in zip(grads, full_grads, strict=True):
-        torch.testing.assert_close(grad, full, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("where", ["train_pairs", "val_pairs", "evaluate_loss"])

@@ -8,7 +8,8 @@ way: ``embeddings``, ``masks`` → ``attention`` → ``layers`` → ``stacks`` �
 The training side (chapter 10), one job a module, none of which the model imports:
 ``multi30k`` (the corpus's files and splits), ``data`` (tokenizer, batches), ``optim`` (loss,
 optimizer, schedule), ``configs`` (the named recipes), ``checkpoint`` (save, load, average),
-``trainer`` (the loop), ``run_folder`` (a run's files), ``runs`` (a whole run, the runs cache),
+``pair_loss`` (the loss on translation pairs), ``trainer`` (the loop), ``train_state`` (where
+training stands), ``run_folder`` (a run's files), ``runs`` (a whole run, the runs cache),
 ``records`` (what a run was and how it went); ``decode`` (chapter 11: greedy, beam search,
 BLEU). The command lines are ``train`` and ``translate``; ``runtime`` picks the device and
 seeds. Chapter 12 adds ``precision`` (fp32, bf16 or fp16 with loss scaling) and ``distributed``

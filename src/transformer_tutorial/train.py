@@ -35,7 +35,7 @@ from transformer_tutorial.records import describe_run
 from transformer_tutorial.run_folder import RunFolder
 from transformer_tutorial.runs import run_experiment
 from transformer_tutorial.runtime import get_device
-from transformer_tutorial.trainer import TrainingInterrupted
+from transformer_tutorial.train_state import TrainingInterrupted
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,8 +182,9 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions, Path]:
         raise UsageError(
             f"{out_dir} already holds a run; pass --resume to continue it or choose another --out"
         )
-    if args.resume:
-        saved = load_checkpoint(last)["train_config"]
+    if args.resume:  # the recipe's name only: on the meta device no tensor is read from the
+        # file, which the trainer loads once, as training starts
+        saved = load_checkpoint(last, device="meta")["train_config"]
         if saved["name"] != config.name:
             raise UsageError(f"{out_dir} holds a {saved['name']!r} run, not {config.name!r}")
     return config, options, out_dir

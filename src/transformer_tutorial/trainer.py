@@ -10,7 +10,8 @@ its options, and writes into a :class:`~transformer_tutorial.run_folder.RunFolde
 - ``snapshots/``: with ``config.average_last`` above 1, the weights of the last
   ``average_last`` checkpoints, to average.
 
-:func:`fit` builds the recipe's model and hands it over.
+:func:`fit` builds the recipe's model and hands it over. The losses come from
+:mod:`~transformer_tutorial.pair_loss`, :class:`TrainState` from its own module, ``train_state``.
 
 It also runs as one of several processes under ``torchrun`` (chapter 12,
 :mod:`~transformer_tutorial.distributed`): each rank trains on its share of the batches, the
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -33,116 +34,14 @@ from tqdm import tqdm
 from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import load_checkpoint, restore_rng_states, rng_states
 from transformer_tutorial.configs import RunOptions, TrainConfig
-from transformer_tutorial.data import PAD_ID, collate, id_range, pair_lengths, token_batches
-from transformer_tutorial.model import Transformer, TransformerConfig, check_id_range
-from transformer_tutorial.optim import make_optimizer, translation_loss
-from transformer_tutorial.precision import autocast, grad_scaler, resolve_precision
+from transformer_tutorial.data import pair_lengths, token_batches
+from transformer_tutorial.model import Transformer
+from transformer_tutorial.optim import make_optimizer
+from transformer_tutorial.pair_loss import Pairs, batch_loss, check_pair_ids, evaluate_loss
+from transformer_tutorial.precision import grad_scaler, resolve_precision
 from transformer_tutorial.run_folder import RunFolder
 from transformer_tutorial.runtime import StopRequest, catch_stop_signals, set_seed
-
-Pairs = Sequence[tuple[Sequence[int], Sequence[int]]]
-
-
-@dataclass
-class TrainState:
-    """Where training stands; saved in ``last.pt`` so that a resumed run goes on exactly.
-
-    ``epoch`` counts finished epochs, ``batch_in_epoch`` the batches done in the current one,
-    whose order is drawn from ``epoch_start`` (the batch-order generator's state when it began).
-    The loss sums cover the current logging window and the current epoch.
-    """
-
-    epoch_start: Tensor
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    train_seconds: float = 0.0
-    window_loss: float = 0.0
-    window_tokens: int = 0
-    epoch_loss: float = 0.0
-    epoch_tokens: int = 0
-    best_val_loss: float = math.inf
-    stopped_by: str = ""
-    history: dict[str, list[dict]] = field(
-        default_factory=lambda: {"train": [], "val": [], "epochs": []}
-    )
-
-    def add_loss(self, loss_sum: float, tokens: int) -> None:
-        self.window_loss += loss_sum
-        self.window_tokens += tokens
-        self.epoch_loss += loss_sum
-        self.epoch_tokens += tokens
-
-
-class TrainingInterrupted(Exception):
-    """Training stopped on Ctrl-C or SIGTERM after a whole step; ``last.pt`` holds that step."""
-
-    def __init__(self, step: int, checkpoint: Path) -> None:
-        super().__init__(f"interrupted after step {step}; {checkpoint} holds it")
-        self.step, self.checkpoint = step, checkpoint
-
-
-def batch_loss(
-    model: nn.Module,
-    pairs: Pairs,
-    *,
-    label_smoothing: float,
-    device: torch.device,
-    precision: str,
-) -> tuple[Tensor, int]:
-    """The loss summed over the target tokens of the batch ``pairs``, and how many there are.
-
-    The logits are computed at the real target tokens only, never at padding (``logits_at``),
-    and nothing is read back from the device: the positions are found on the CPU before the
-    batch moves, and the ids' range was checked once where the pairs came in.
-    """
-    src, tgt_in, tgt_out = collate(pairs)  # (B, S), (B, T), (B, T) on the CPU
-    real = (tgt_out != PAD_ID).flatten().nonzero().squeeze(1)  # (N,) flat positions
-    target = tgt_out.flatten()[real]  # (N,)
-    src, tgt_in, real, target = (x.to(device) for x in (src, tgt_in, real, target))
-    with autocast(precision, device):
-        logits = model(src, tgt_in, logits_at=real, check_ids=False)  # (N, V)
-    loss_sum = translation_loss(
-        logits, target, smoothing=label_smoothing, ignore_index=PAD_ID, reduction="sum"
-    )
-    return loss_sum, len(real)
-
-
-def check_pair_ids(name: str, pairs: Pairs, config: TransformerConfig) -> None:
-    """Every id in ``pairs`` must be a token of the model's vocabularies: checked once, on the
-    host, where the pairs come in, so that no batch needs a read back from the device."""
-    check_id_range(f"{name} (sources)", *id_range(s for s, _ in pairs), config.src_vocab_size)
-    check_id_range(f"{name} (targets)", *id_range(t for _, t in pairs), config.tgt_vocab_size)
-
-
-@torch.no_grad()
-def evaluate_loss(
-    model: Transformer,
-    pairs: Pairs,
-    *,
-    max_tokens: int,
-    label_smoothing: float,
-    device: torch.device,
-    precision: str = "auto",
-) -> float:
-    """The mean loss per target token over ``pairs``, dropout off (training's criterion), the
-    forward pass in ``precision`` (:mod:`~transformer_tutorial.precision`)."""
-    check_pair_ids("pairs", pairs, model.config)
-    was_training = model.training
-    model.eval()
-    total, count = torch.zeros((), device=device), 0
-    for batch in token_batches(pair_lengths(pairs), max_tokens):
-        loss_sum, tokens = batch_loss(
-            model,
-            [pairs[i] for i in batch],
-            label_smoothing=label_smoothing,
-            device=device,
-            precision=precision,
-        )
-        total += loss_sum
-        count += tokens
-    model.train(was_training)
-    return total.item() / max(count, 1)  # one read back from the device
+from transformer_tutorial.train_state import TrainingInterrupted, TrainState
 
 
 class Trainer:
@@ -164,8 +63,7 @@ class Trainer:
         self.folder = folder if isinstance(folder, RunFolder) else RunFolder(Path(folder))
         self.options, self.tokenizer_file = options, tokenizer_file
         self.device = device = torch.device(options.device)
-        self.seed, self.rank = options.seed, distributed.rank()
-        self.world_size = distributed.world_size()
+        self.rank, self.world_size = distributed.rank(), distributed.world_size()
         self.model = model.to(device)
         for name, pairs in (("train_pairs", train_pairs), ("val_pairs", val_pairs)):
             check_pair_ids(name, pairs, self.model.config)
@@ -181,10 +79,10 @@ class Trainer:
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None
             self.train_model = DistributedDataParallel(self.model, device_ids=ids)
-            torch.manual_seed(self.seed + self.rank)  # same initial weights, own dropout masks
+            torch.manual_seed(options.seed + self.rank)  # same initial weights, own dropout masks
         if options.compile:
             self.train_model = torch.compile(self.train_model)
-        self.batch_order = torch.Generator().manual_seed(self.seed)
+        self.batch_order = torch.Generator().manual_seed(options.seed)
         self.state = TrainState(epoch_start=self.batch_order.get_state())
         # The loss and token sums of the steps not yet added to self.state: they stay on the
         # device, read back once per log_every steps (each read makes the host wait for it).
@@ -208,7 +106,7 @@ class Trainer:
         else:  # saved by a single process or another number of ranks
             restore_rng_states(saved["rng"])
             if self.rank:
-                torch.manual_seed(self.seed + self.rank + self.state.step)
+                torch.manual_seed(self.options.seed + self.rank + self.state.step)
         self.seconds_before = self.state.train_seconds
         if self.rank == 0:  # the run goes on: the snapshot of where it stopped was off schedule
             self.folder.drop_snapshots_off_schedule(self.state.step, self.config.checkpoint_every)
@@ -387,21 +285,20 @@ class Trainer:
         """Train until ``config.epochs`` or the options' ``max_steps`` or ``max_minutes``, then
         validate and save ``last.pt``."""
         state, options = self.state, self.options
-        max_steps, max_minutes = options.max_steps, options.max_minutes
-        deadline = math.inf if max_minutes is None else self.started + 60 * max_minutes
+        deadline = self.started + 60 * (options.max_minutes or math.inf)  # None: no deadline
 
         def should_stop() -> str:
             if self.stop_request.reason:
                 reason = "interrupted"
-            elif max_steps is not None and state.step >= max_steps:
+            elif options.max_steps is not None and state.step >= options.max_steps:
                 reason = "max_steps"
             else:
                 reason = "max_minutes" if time.monotonic() >= deadline else ""
             return distributed.agree_on_stop(reason, self.device)  # every rank stops together
 
         self.model.train()
-        progress = self.options.progress and self.rank == 0
-        stopped_by = should_stop() if max_steps is not None else ""
+        progress = options.progress and self.rank == 0
+        stopped_by = should_stop() if options.max_steps is not None else ""
         with catch_stop_signals(self.stop_request):
             while not stopped_by and state.epoch < self.config.epochs:
                 stopped_by = self.run_epoch(should_stop, progress)
