@@ -14,7 +14,6 @@ import torch
 
 import bench
 from transformer_tutorial.checks import ArgumentParser, device_arg, int_arg, number_arg
-from transformer_tutorial.configs import RunOptions
 from transformer_tutorial.precision import DTYPES
 from transformer_tutorial.records import cpu_name, git_commit, hardware
 
@@ -139,9 +138,6 @@ def device_name(device: torch.device) -> str:
 
 def run_meta(settings: Settings, device: torch.device, argv: list[str] | None) -> dict:
     """Where and how the run measured: device, versions, threads, precision, commit, command."""
-    options = RunOptions(
-        device=str(device), precision=settings.precision, compile=bool(settings.compile_cells)
-    )
     return {
         "device": device.type,
         "device_name": device_name(device),
@@ -154,5 +150,5 @@ def run_meta(settings: Settings, device: torch.device, argv: list[str] | None) -
         "commit": git_commit()["commit"],
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
-        "hardware": hardware(device, options),
+        "hardware": hardware(device, settings.precision, compiled=bool(settings.compile_cells)),
     }

@@ -80,6 +80,7 @@ def test_tiny_run_end_to_end_resumes_records_and_translates(multi30k_dir, tmp_pa
     assert train_cli.main(again) == 0  # in-process: faster
     record = json.loads((out / "record.json").read_text())
     assert record["steps"] == 5 and record["stopped_by"] == "max_steps"
+    assert record["hardware"]["precision"] == "fp32"  # "auto", resolved once for the CPU
     assert record["command"][1:] == ["-m", "transformer_tutorial.train", *again]
     # The resumed run scored the mean of its snapshots: step 5's alone, as a run of 5 steps
     # without a stop would (tiny checkpoints every 20 steps; step 3's was dropped on resuming).

@@ -16,8 +16,6 @@ from pathlib import Path
 import torch
 
 from transformer_tutorial import distributed
-from transformer_tutorial.configs import RunOptions
-from transformer_tutorial.precision import resolve_precision
 
 # How many test sentences a record keeps with their translations, to read.
 RECORD_SAMPLES = 20
@@ -106,8 +104,9 @@ def cpu_name() -> str:
         return platform.processor()
 
 
-def hardware(device: torch.device, options: RunOptions) -> dict:
-    """Where a run with ``options`` runs: device, CPU, threads, processes, precision."""
+def hardware(device: torch.device, precision: str, *, compiled: bool = False) -> dict:
+    """Where a run runs: device, CPU, threads, processes, and the precision it resolved
+    (:func:`~transformer_tutorial.precision.resolve_precision`'s answer, not ``"auto"``)."""
     info = {
         "device": str(device),
         "platform": platform.platform(),
@@ -115,8 +114,8 @@ def hardware(device: torch.device, options: RunOptions) -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "processes": distributed.world_size(),
-        "precision": resolve_precision(options.precision, device),
-        "compiled": options.compile,
+        "precision": precision,
+        "compiled": compiled,
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

@@ -13,7 +13,7 @@ import platform
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -129,6 +129,10 @@ def run_experiment(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(options.device)
+    # "auto" made concrete once, here: the trainer, the averaged weights' validation and the
+    # record all read this one answer
+    precision = resolve_precision(options.precision, device)
+    options = replace(options, precision=precision)
     tokenizer, train_pairs, val_pairs = _prepare_data(config, out_dir, options.resume)
     test_src, test_tgt = (side[: config.eval_size] for side in load_split("test"))
     model, state = fit(
@@ -146,7 +150,6 @@ def run_experiment(
     best, _, best_checkpoint = load_model(RunFolder(out_dir).best, device)
     weights, scored, averaged = BEST, best, None
     if config.average_last > 1:
-        precision = resolve_precision(options.precision, device)
         scored, averaged = _average_snapshots(config, out_dir, val_pairs, device, precision)
         weights = AVERAGED
         # What averaging gained: the best checkpoint alone, scored the same way
@@ -157,7 +160,7 @@ def run_experiment(
         config=asdict(config),
         model_config=asdict(model.config),
         git=git,
-        hardware=hardware(device, options),
+        hardware=hardware(device, precision, compiled=options.compile),
         torch=torch.__version__,
         python=platform.python_version(),
         finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
