@@ -41,7 +41,7 @@ from transformer_tutorial.trainer import evaluate_loss, fit
 
 # Chapter 10's own run, by device type: a number of steps, so that every machine of a kind trains
 # the same model and the page's numbers hold on it, with a time limit for slow ones. On a CPU 600
-# steps of `chapter10` (about 2 minutes on 2 cores); on a GPU 2,500 steps of the reference recipe
+# steps of `chapter10` (a minute or two on 2 cores); on a GPU 2,500 steps of the reference recipe
 # `small` (about where its validation loss bottoms out; a minute or two on a recent GPU).
 CHAPTER_STEPS = {"cuda": 2500, "cpu": 600}
 CHAPTER_MINUTES = {"cuda": 10.0, "cpu": 10.0}
