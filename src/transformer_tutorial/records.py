@@ -16,9 +16,132 @@ from pathlib import Path
 import torch
 
 from transformer_tutorial import distributed
+from transformer_tutorial.decode import BleuScore
 
 # How many test sentences a record keeps with their translations, to read.
 RECORD_SAMPLES = 20
+
+
+def beam_search_name(beam_size: int) -> str:
+    """How records name the scores of beam search with ``beam_size`` beams: ``"beam5"``."""
+    return f"beam{beam_size}"
+
+
+@dataclass(frozen=True)
+class BestCheckpoint:
+    """``best.pt``: the step with the lowest validation loss, and that loss."""
+
+    step: int
+    val_loss: float
+
+
+@dataclass(frozen=True)
+class TestScores:
+    """BLEU on test2016 of greedy search and of beam search (``beam_name``, e.g. ``"beam5"``),
+    on ``sentences`` sentences, and the seconds both took. ``record.json`` keeps the beam's
+    scores under its name: ``{"sentences", "greedy", "beam5", "eval_time_s"}``."""
+
+    sentences: int
+    greedy: BleuScore
+    beam: BleuScore
+    beam_name: str
+    eval_time_s: float
+
+    def by_search(self) -> dict[str, BleuScore]:
+        """The two scores by the name of their search: ``{"greedy": ..., "beam5": ...}``."""
+        return {"greedy": self.greedy, self.beam_name: self.beam}
+
+    def to_dict(self) -> dict:
+        return {
+            "sentences": self.sentences,
+            **{name: asdict(score) for name, score in self.by_search().items()},
+            "eval_time_s": self.eval_time_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, beam_name: str) -> TestScores:
+        return cls(
+            sentences=data["sentences"],
+            greedy=BleuScore(**data["greedy"]),
+            beam=BleuScore(**data[beam_name]),
+            beam_name=beam_name,
+            eval_time_s=data["eval_time_s"],
+        )
+
+
+@dataclass(frozen=True)
+class Averaged:
+    """``averaged.pt``: the steps of the checkpoints averaged, the mean's validation loss and, to
+    compare, ``best.pt``'s scores on test2016."""
+
+    steps: tuple[int, ...]
+    val_loss: float
+    best_test2016: TestScores
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": list(self.steps),
+            "val_loss": self.val_loss,
+            "best_test2016": self.best_test2016.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, beam_name: str) -> Averaged:
+        return cls(
+            steps=tuple(data["steps"]),
+            val_loss=data["val_loss"],
+            best_test2016=TestScores.from_dict(data["best_test2016"], beam_name),
+        )
+
+
+@dataclass(frozen=True)
+class TrainEntry:
+    """A line of the training history: the mean training loss since the last line, and the
+    learning rate."""
+
+    step: int
+    epoch: int
+    train_loss: float
+    lr: float
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class ValEntry:
+    """A validation of the training history."""
+
+    step: int
+    epoch: int
+    val_loss: float
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class EpochEntry:
+    """The end of an epoch: its mean training loss and the validation loss after it."""
+
+    step: int
+    epoch: int
+    train_loss: float
+    val_loss: float
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class History:
+    """How training went, line by line: the trainer's ``TrainState.history``, typed."""
+
+    train: tuple[TrainEntry, ...]
+    val: tuple[ValEntry, ...]
+    epochs: tuple[EpochEntry, ...]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, list[dict]]) -> History:
+        return cls(
+            train=tuple(TrainEntry(**e) for e in data["train"]),
+            val=tuple(ValEntry(**e) for e in data["val"]),
+            epochs=tuple(EpochEntry(**e) for e in data["epochs"]),
+        )
 
 
 @dataclass
@@ -27,8 +150,9 @@ class RunRecord:
 
     ``test2016`` holds the BLEU scores of the weights in the file ``weights`` (``"best.pt"``, or
     ``"averaged.pt"`` for a recipe with ``average_last`` above 1). For those, ``averaged`` says
-    ``{"steps": [...], "val_loss": ..., "best_test2016": {...}}``: the checkpoints averaged, the
-    mean's validation loss and, to compare, ``best.pt``'s scores; otherwise it is None.
+    which checkpoints were averaged, the mean's validation loss and, to compare, ``best.pt``'s
+    scores; otherwise it is None. ``config`` and ``model_config`` are the configs' own
+    dictionaries (``dataclasses.asdict``), ``hardware`` is :func:`hardware`'s.
     """
 
     command: list[str]
@@ -46,18 +170,18 @@ class RunRecord:
     epochs_completed: int
     stopped_by: str
     train_time_s: float
-    best: dict
-    history: dict
-    test2016: dict
+    best: BestCheckpoint
+    history: History
+    test2016: TestScores
     samples: list[dict]
     wall_time_s: float
     weights: str = "best.pt"
-    averaged: dict | None = None
+    averaged: Averaged | None = None
 
     @property
     def beam_name(self) -> str:
-        """The key of the beam-search scores in ``test2016`` and ``samples``, e.g. ``"beam5"``."""
-        return f"beam{self.config['beam_size']}"
+        """The name of the beam-search scores in ``test2016`` and ``samples``, e.g. ``"beam5"``."""
+        return self.test2016.beam_name
 
     @classmethod
     def load(cls, path: Path | str) -> RunRecord:
@@ -66,13 +190,31 @@ class RunRecord:
     @classmethod
     def from_json(cls, text: str) -> RunRecord:
         data = json.loads(text)  # fields with defaults came later: older records lack them
+        values = {
+            f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING
+        }
+        beam_name = beam_search_name(values["config"]["beam_size"])
+        averaged = values.get("averaged")
         return cls(
-            **{f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING}
+            **{
+                **values,
+                "best": BestCheckpoint(**values["best"]),
+                "history": History.from_dict(values["history"]),
+                "test2016": TestScores.from_dict(values["test2016"], beam_name),
+                "averaged": None if averaged is None else Averaged.from_dict(averaged, beam_name),
+            }
         )
 
+    def to_json(self) -> str:
+        """The record as ``record.json`` keeps it."""
+        data = asdict(self) | {
+            "test2016": self.test2016.to_dict(),
+            "averaged": None if self.averaged is None else self.averaged.to_dict(),
+        }
+        return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
     def save(self, path: Path | str) -> None:
-        text = json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n"
-        Path(path).write_text(text, encoding="utf-8")
+        Path(path).write_text(self.to_json(), encoding="utf-8")
 
 
 def git_commit() -> dict:
@@ -165,29 +307,29 @@ def describe_run(record: RunRecord) -> str:
             "time",
             f"{record.train_time_s / 60:.1f} min of training (stopped by {record.stopped_by})",
         ),
-        ("best", f"validation loss {record.best['val_loss']:.3f} at step {record.best['step']:,}"),
+        ("best", f"validation loss {record.best.val_loss:.3f} at step {record.best.step:,}"),
         *_scored_weights(record),
         ("wall time", f"{record.wall_time_s / 60:.1f} min in all, data and evaluation included"),
     ]
     scores = record.test2016
-    for name in ("greedy", record.beam_name):
+    for name, score in scores.by_search().items():
         lines.append(
             (
                 f"BLEU {name}",
-                f"{scores[name]['score']:.2f} "
-                f"(lowercased {scores[name]['lowercase']:.2f}) "
-                f"on {scores['sentences']:,} test2016 sentences",
+                f"{score.score:.2f} (lowercased {score.lowercase:.2f}) "
+                f"on {scores.sentences:,} test2016 sentences",
             )
         )
-    lines.append(("signature", scores["greedy"]["signature"]))
+    lines.append(("signature", scores.greedy.signature))
     return "\n".join(f"{key:<12} {value}" for key, value in lines)
 
 
 def _scored_weights(record: RunRecord) -> list[tuple[str, str]]:
     """Which weights the BLEU lines below score, and what averaging them changed."""
-    if not record.averaged:
+    averaged = record.averaged
+    if averaged is None:
         return [("scored", f"{record.weights}, the weights with the lowest validation loss")]
-    steps, alone = record.averaged["steps"], record.averaged["best_test2016"][record.beam_name]
+    steps, alone = averaged.steps, averaged.best_test2016
     n = len(steps)
     return [
         (
@@ -197,8 +339,8 @@ def _scored_weights(record: RunRecord) -> list[tuple[str, str]]:
         ),
         (
             "averaging",
-            f"validation loss {record.averaged['val_loss']:.3f}; "
-            f"best.pt alone: BLEU {record.beam_name} {alone['score']:.2f}",
+            f"validation loss {averaged.val_loss:.3f}; "
+            f"best.pt alone: BLEU {alone.beam_name} {alone.beam.score:.2f}",
         ),
     ]
 

@@ -34,7 +34,17 @@ from transformer_tutorial.data import (
 from transformer_tutorial.decode import bleu, translate_sentences
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.precision import resolve_precision
-from transformer_tutorial.records import RECORD_SAMPLES, RunRecord, git_commit, hardware
+from transformer_tutorial.records import (
+    RECORD_SAMPLES,
+    Averaged,
+    BestCheckpoint,
+    History,
+    RunRecord,
+    TestScores,
+    beam_search_name,
+    git_commit,
+    hardware,
+)
 from transformer_tutorial.run_folder import AVERAGED, BEST, TOKENIZER, RunFolder
 from transformer_tutorial.runtime import get_device
 from transformer_tutorial.trainer import evaluate_loss, fit
@@ -46,13 +56,16 @@ from transformer_tutorial.trainer import evaluate_loss, fit
 CHAPTER_STEPS = {"cuda": 2500, "cpu": 600}
 CHAPTER_MINUTES = {"cuda": 10.0, "cpu": 10.0}
 
+Pairs = list[tuple[list[int], list[int]]]  # encoded (source, target) sentence pairs
+
 
 def _prepare_data(
     config: TrainConfig, out_dir: Path, resume: bool
-) -> tuple[Tokenizer, list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]:
-    """The tokenizer (learned on the training split, or the run's own when resuming) and the
-    encoded training pairs that fit ``max_len`` and validation pairs. Under ``torchrun`` rank 0
-    learns the tokenizer and the other ranks read it."""
+) -> tuple[Tokenizer, Pairs, Pairs, tuple[list[str], list[str]]]:
+    """The tokenizer (learned on the training split, or the run's own when resuming), the
+    encoded training pairs that fit ``max_len`` and validation pairs, and the test sentences
+    to score (sources, references). Under ``torchrun`` rank 0 learns the tokenizer and the other
+    ranks read it."""
     train_src, train_tgt = (side[: config.train_size] for side in load_split("train"))
     val_src, val_tgt = load_split("val")
     tokenizer_path = RunFolder(out_dir).tokenizer
@@ -66,12 +79,13 @@ def _prepare_data(
         for s, t in encode_pairs(tokenizer, train_src, train_tgt)
         if len(s) <= max_len and len(t) + 1 <= max_len
     ]
-    return tokenizer, train_pairs, encode_pairs(tokenizer, val_src, val_tgt)
+    test = tuple(side[: config.eval_size] for side in load_split("test"))
+    return tokenizer, train_pairs, encode_pairs(tokenizer, val_src, val_tgt), test
 
 
 def _score(
     model: Transformer, tokenizer: Tokenizer, config: TrainConfig, src: list[str], refs: list[str]
-) -> tuple[dict, list[dict]]:
+) -> tuple[TestScores, list[dict]]:
     """BLEU of greedy and beam search on ``src``, and the first :data:`RECORD_SAMPLES`
     translations beside their references."""
     start = time.monotonic()
@@ -79,35 +93,65 @@ def _score(
     beam = translate_sentences(
         model, tokenizer, src, beam_size=config.beam_size, alpha=config.alpha
     )
-    beam_name = f"beam{config.beam_size}"
-    scores = {
-        "sentences": len(src),
-        "greedy": asdict(bleu(greedy, refs)),
-        beam_name: asdict(bleu(beam, refs)),
-        "eval_time_s": round(time.monotonic() - start, 1),
-    }
+    beam_name = beam_search_name(config.beam_size)
+    scores = TestScores(
+        sentences=len(src),
+        greedy=bleu(greedy, refs),
+        beam=bleu(beam, refs),
+        beam_name=beam_name,
+        eval_time_s=round(time.monotonic() - start, 1),
+    )
     rows = list(zip(src, refs, greedy, beam, strict=True))[:RECORD_SAMPLES]
     samples = [{"source": s, "reference": r, "greedy": g, beam_name: b} for s, r, g, b in rows]
     return scores, samples
 
 
 def _average_snapshots(
-    config: TrainConfig, out_dir: Path, val_pairs: list, device: torch.device, precision: str
-) -> tuple[Transformer, dict]:
-    """Write ``averaged.pt``, the mean of the weights in ``snapshots/``; returns that model and
-    what the record keeps of it: the steps averaged and the validation loss."""
+    config: TrainConfig, out_dir: Path, val_pairs: Pairs, options: RunOptions
+) -> tuple[Transformer, list[int], float]:
+    """Write ``averaged.pt``, the mean of the weights in ``snapshots/``; returns that model, the
+    steps averaged and the mean's validation loss."""
     folder = RunFolder(out_dir)
     folder.save(average_checkpoints(folder.snapshots()), folder.averaged)
-    model, _, saved = load_model(folder.averaged, device)
+    model, _, saved = load_model(folder.averaged, options.device)
     val_loss = evaluate_loss(
         model,
         val_pairs,
         max_tokens=config.max_tokens,
         label_smoothing=config.label_smoothing,
-        device=device,
-        precision=precision,
+        device=torch.device(options.device),
+        precision=options.precision,
     )
-    return model, {"steps": saved["averaged_steps"], "val_loss": val_loss}
+    return model, saved["averaged_steps"], val_loss
+
+
+def _score_run(
+    config: TrainConfig,
+    tokenizer: Tokenizer,
+    test: tuple[list[str], list[str]],
+    val_pairs: Pairs,
+    out_dir: Path,
+    options: RunOptions,
+) -> tuple[BestCheckpoint, str, TestScores, list[dict], Averaged | None]:
+    """Score a trained run on ``test`` (sources, references): its best checkpoint, the weights
+    scored (``best.pt``, or with ``config.average_last`` above 1 ``averaged.pt``), their BLEU
+    and samples, and what averaging changed (None without it)."""
+    best, _, saved = load_model(RunFolder(out_dir).best, options.device)
+    best_checkpoint = BestCheckpoint(saved["step"], saved["val_loss"])
+    if config.average_last <= 1:
+        return (best_checkpoint, BEST, *_score(best, tokenizer, config, *test), None)
+    model, steps, val_loss = _average_snapshots(config, out_dir, val_pairs, options)
+    # What averaging gained: the best checkpoint alone, scored the same way
+    alone, _ = _score(best, tokenizer, config, *test)
+    scores, samples = _score(model, tokenizer, config, *test)
+    return best_checkpoint, AVERAGED, scores, samples, Averaged(tuple(steps), val_loss, alone)
+
+
+def _with_precision_resolved(options: RunOptions) -> RunOptions:
+    """``options`` with ``"auto"`` precision made concrete for its device, once: the trainer, the
+    averaged weights' validation and the record all read this one answer."""
+    precision = resolve_precision(options.precision, torch.device(options.device))
+    return replace(options, precision=precision)
 
 
 def run_experiment(
@@ -118,9 +162,8 @@ def run_experiment(
     command: Sequence[str] = (),
 ) -> RunRecord | None:
     """The whole experiment: data, tokenizer, :func:`fit`, then BLEU on test2016 (greedy and beam
-    search) with the best weights, or with ``config.average_last`` above 1 the averaged weights
-    (``averaged.pt``; the best weights are scored too, to compare), written to
-    ``out_dir/record.json`` and returned.
+    search) of the best weights, or with ``config.average_last`` above 1 of their mean
+    (:func:`_score_run`); the record is written to ``out_dir/record.json`` and returned.
 
     Under ``torchrun`` every rank trains; rank 0 alone learns the tokenizer, scores and writes
     the record, and the other ranks return None once training ends."""
@@ -128,13 +171,9 @@ def run_experiment(
     git = git_commit()  # the code as the run starts, not as it ends
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    options = _with_precision_resolved(options)
     device = torch.device(options.device)
-    # "auto" made concrete once, here: the trainer, the averaged weights' validation and the
-    # record all read this one answer
-    precision = resolve_precision(options.precision, device)
-    options = replace(options, precision=precision)
-    tokenizer, train_pairs, val_pairs = _prepare_data(config, out_dir, options.resume)
-    test_src, test_tgt = (side[: config.eval_size] for side in load_split("test"))
+    tokenizer, train_pairs, val_pairs, test = _prepare_data(config, out_dir, options.resume)
     model, state = fit(
         config,
         train_pairs,
@@ -146,21 +185,15 @@ def run_experiment(
     )
     if not distributed.is_main():
         return None
-
-    best, _, best_checkpoint = load_model(RunFolder(out_dir).best, device)
-    weights, scored, averaged = BEST, best, None
-    if config.average_last > 1:
-        scored, averaged = _average_snapshots(config, out_dir, val_pairs, device, precision)
-        weights = AVERAGED
-        # What averaging gained: the best checkpoint alone, scored the same way
-        averaged["best_test2016"], _ = _score(best, tokenizer, config, test_src, test_tgt)
-    test2016, samples = _score(scored, tokenizer, config, test_src, test_tgt)
+    best, weights, test2016, samples, averaged = _score_run(
+        config, tokenizer, test, val_pairs, out_dir, options
+    )
     record = RunRecord(
         command=list(command),
         config=asdict(config),
         model_config=asdict(model.config),
         git=git,
-        hardware=hardware(device, precision, compiled=options.compile),
+        hardware=hardware(device, options.precision, compiled=options.compile),
         torch=torch.__version__,
         python=platform.python_version(),
         finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -171,8 +204,8 @@ def run_experiment(
         epochs_completed=state.epoch,
         stopped_by=state.stopped_by,
         train_time_s=round(state.train_seconds, 1),
-        best={"step": best_checkpoint["step"], "val_loss": best_checkpoint["val_loss"]},
-        history=state.history,
+        best=best,
+        history=History.from_dict(state.history),
         test2016=test2016,
         samples=samples,
         wall_time_s=round(time.monotonic() - wall_start, 1),
