@@ -107,11 +107,12 @@ class Finished:
     tokens: Tensor  # (B, K, max_len) padded
     lengths: Tensor  # (B, K)
 
-    def merge(self, scores: Tensor, tokens: Tensor, length: int) -> Finished:
-        """Keep the best ``K`` of these and new hypotheses of ``length`` tokens: ``scores``
-        ``(B, N)`` (-inf: not finished), ``tokens`` ``(B, N, max_len)``."""
-        K, max_len = self.scores.size(1), self.tokens.size(2)
+    def merge(self, scores: Tensor, tokens: Tensor, pad_id: int) -> Finished:
+        """Keep the best ``K`` of these and new hypotheses: ``scores`` ``(B, N)`` (-inf: not
+        finished), ``tokens`` ``(B, N, length)``, padded here to ``max_len``."""
+        K, max_len, length = self.scores.size(1), self.tokens.size(2), tokens.size(2)
         best, keep = torch.cat([self.scores, scores], dim=1).topk(K, dim=-1)  # (B, K)
+        tokens = nn.functional.pad(tokens, (0, max_len - length), value=pad_id)
         tokens = torch.cat([self.tokens, tokens], dim=1)
         lengths = torch.cat([self.lengths, torch.full_like(scores, length, dtype=torch.long)], 1)
         return Finished(
@@ -119,6 +120,12 @@ class Finished:
             tokens.gather(1, keep[:, :, None].expand(-1, -1, max_len)),
             lengths.gather(1, keep),
         )
+
+    def best(self) -> tuple[Tensor, Tensor]:
+        """The best hypothesis of each sentence ``(B, L)``, ``L`` the longest of them, and its
+        score ``(B,)``."""
+        width = int(self.lengths[:, 0].max())
+        return self.tokens[:, 0, :width], self.scores[:, 0]
 
 
 def _start_beams(
@@ -142,6 +149,24 @@ def _start_beams(
         torch.zeros(B, K, dtype=torch.long, device=device),
     )
     return cache, tokens, alive, finished
+
+
+def _extend(tokens: Tensor, rows: Tensor, new: Tensor) -> Tensor:
+    """The prefixes ``tokens[rows]`` ``(N, t)``, each followed by its token in ``new`` ``(N,)``:
+    ``(N, t+1)``."""
+    return torch.cat([tokens.index_select(0, rows), new[:, None]], dim=1)
+
+
+def _drop_decided(
+    alive: Tensor, finished: Finished, length: int, max_len: int, alpha: float
+) -> Tensor:
+    """``alive`` ``(B, K)`` without the beams of the sentences that are decided (-inf): those
+    with ``K`` finished hypotheses, and those whose best finished one no live beam can still
+    beat. Log p only falls as a beam grows, so a live beam can score at most its log p now over
+    the largest length penalty ahead."""
+    reach = max(length_penalty(length + 1, alpha), length_penalty(max_len, alpha))
+    done = finished.scores[:, -1].isfinite() | (finished.scores[:, 0] >= alive[:, 0] / reach)
+    return alive.masked_fill(done[:, None], float("-inf"))
 
 
 @torch.no_grad()
@@ -189,32 +214,20 @@ def beam_search(
         rank = torch.arange(top.size(1), device=device)
         finishing = ends & (rank < K) & top.isfinite()
         new_scores = torch.where(finishing, top / length_penalty(length, alpha), float("-inf"))
-        # (B*N, length)
-        new_tokens = torch.cat([tokens[source_rows.view(-1), 1:], token.view(-1, 1)], dim=1)
-        new_tokens = nn.functional.pad(new_tokens, (0, max_len - length), value=pad_id).view(
-            B, -1, max_len
-        )
-        finished = finished.merge(new_scores, new_tokens, length)
+        new_tokens = _extend(tokens, source_rows.view(-1), token.view(-1))[:, 1:]  # no <bos>
+        finished = finished.merge(new_scores, new_tokens.view(B, -1, length), pad_id)
 
         # 2) live on: the best K candidates that did not end
         alive, pick = torch.where(ends, float("-inf"), top).topk(K, dim=-1)  # (B, K)
         chosen = source_rows.gather(1, pick).view(-1)  # (B*K,)
-        tokens = torch.cat(
-            [tokens.index_select(0, chosen), token.gather(1, pick).view(-1, 1)], dim=1
-        )
+        tokens = _extend(tokens, chosen, token.gather(1, pick).view(-1))  # (B*K, t+2)
         cache = cache.reorder(chosen)
 
-        # 3) stop a sentence once no live beam can still win (log p only falls as beams grow)
-        if not last:
-            reach = max(length_penalty(length + 1, alpha), length_penalty(max_len, alpha))
-            done = finished.scores[:, -1].isfinite() | (
-                finished.scores[:, 0] >= alive[:, 0] / reach
-            )
-            alive = alive.masked_fill(done[:, None], float("-inf"))
+        # 3) stop a sentence once it is decided, and the batch once all are
+        alive = _drop_decided(alive, finished, length, max_len, alpha)
         if not alive.isfinite().any():
             break
-    width = int(finished.lengths[:, 0].max())
-    return finished.tokens[:, 0, :width], finished.scores[:, 0]
+    return finished.best()
 
 
 def strip_eos(ids: Sequence[int], eos_id: int = EOS_ID) -> list[int]:
