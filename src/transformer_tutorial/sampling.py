@@ -106,6 +106,20 @@ def next_token(
     return (log_probs + gumbel).argmax(dim=-1)
 
 
+def check_prompt(model: LanguageModel, prompt: Tensor, max_new_tokens: int) -> None:
+    """Refuse a prompt that is not ``(B, T0)`` ids with ``T0 >= 1``, or that would grow past the
+    model's ``max_len`` with ``max_new_tokens`` more."""
+    check_int("max_new_tokens", max_new_tokens, at_least=0)
+    if prompt.dim() != 2 or prompt.size(1) < 1:
+        raise ValueError(f"prompt must be (B, T0) ids with T0 >= 1, got {tuple(prompt.shape)}")
+    total = prompt.size(1) + max_new_tokens
+    if total > model.config.max_len:
+        raise ValueError(
+            f"prompt length {prompt.size(1)} + max_new_tokens {max_new_tokens} = {total} "
+            f"exceeds the model's max_len={model.config.max_len}"
+        )
+
+
 @torch.no_grad()
 def generate(
     model: LanguageModel,
@@ -136,18 +150,11 @@ def generate(
     Returns:
         ``(B, T0 + n)`` ids, prompt included, ``n <= max_new_tokens``.
     """
-    check_int("max_new_tokens", max_new_tokens, at_least=0)
+    check_prompt(model, prompt, max_new_tokens)
     check_optional_int("eos_id", eos_id, at_least=0)
     check_optional_int("pad_id", pad_id, at_least=0)
     check_sampling(temperature, top_k, top_p)
-    if prompt.dim() != 2 or prompt.size(1) < 1:
-        raise ValueError(f"prompt must be (B, T0) ids with T0 >= 1, got {tuple(prompt.shape)}")
     total = prompt.size(1) + max_new_tokens
-    if total > model.config.max_len:
-        raise ValueError(
-            f"prompt length {prompt.size(1)} + max_new_tokens {max_new_tokens} = {total} "
-            f"exceeds the model's max_len={model.config.max_len}"
-        )
     fill = eos_id if pad_id is None else pad_id
     ids = prompt
     finished = torch.zeros(prompt.size(0), dtype=torch.bool, device=prompt.device)
