@@ -15,7 +15,7 @@ import torch
 import bench
 from transformer_tutorial.checks import ArgumentParser, device_arg, int_arg, number_arg
 from transformer_tutorial.precision import DTYPES
-from transformer_tutorial.records import cpu_name, git_commit, hardware
+from transformer_tutorial.provenance import cpu_name, git_commit, hardware
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

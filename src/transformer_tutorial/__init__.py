@@ -10,10 +10,11 @@ The training side (chapter 10), one job a module, none of which the model import
 optimizer, schedule), ``configs`` (the named recipes), ``checkpoint`` (save, load, average),
 ``pair_loss`` (the loss on translation pairs), ``trainer`` (the loop), ``train_state`` (where
 training stands), ``run_folder`` (a run's files), ``runs`` (a whole run, the runs cache),
-``records`` (what a run was and how it went); ``decode`` (chapter 11: greedy, beam search,
-BLEU). The command lines are ``train`` and ``translate``; ``runtime`` picks the device and
-seeds. Chapter 12 adds ``precision`` (fp32, bf16 or fp16 with loss scaling) and ``distributed``
-(many processes under ``torchrun``), which the trainer uses.
+``records`` (what a run was and how it went), ``provenance`` (where it ran, from which
+commit); ``decode`` (chapter 11: greedy, beam search, BLEU). The command lines are ``train`` and
+``translate``; ``runtime`` picks the device and seeds. Chapter 12 adds ``precision`` (fp32,
+bf16 or fp16 with loss scaling) and ``distributed`` (many processes under ``torchrun``), which
+the trainer uses.
 
 From 2017 to today (chapters 13–17), each modern change a small switchable piece:
 ``language_model`` (the decoder alone, GPT), its layer ``lm_layer`` and ``lm_pieces`` (the

@@ -39,7 +39,7 @@ from transformer_tutorial.checks import (
 )
 from transformer_tutorial.language_model import LanguageModel, LMConfig, next_token_loss
 from transformer_tutorial.lm_pieces import LLAMA
-from transformer_tutorial.records import cpu_name, git_commit
+from transformer_tutorial.provenance import cpu_name, git_commit
 from transformer_tutorial.sampling import generate
 
 VOCAB_SIZE = 2000  # chapter 13's BPE vocabulary

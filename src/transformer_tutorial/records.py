@@ -6,16 +6,10 @@ shipped with the package (:func:`load_reference_record`).
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
 from dataclasses import MISSING, asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
-import torch
-
-from transformer_tutorial import distributed
 from transformer_tutorial.decode import BleuScore
 
 # How many test sentences a record keeps with their translations, to read.
@@ -215,53 +209,6 @@ class RunRecord:
 
     def save(self, path: Path | str) -> None:
         Path(path).write_text(self.to_json(), encoding="utf-8")
-
-
-def git_commit() -> dict:
-    """The package's git commit and whether the working tree has uncommitted changes
-    (``{"commit": None}`` outside a git checkout, e.g. installed from a wheel)."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
-        )
-        status = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None}
-    if commit.returncode:
-        return {"commit": None}
-    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
-
-
-def cpu_name() -> str:
-    """The CPU's model name, as ``/proc/cpuinfo`` gives it where there is one."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
-            )
-    except OSError:
-        return platform.processor()
-
-
-def hardware(device: torch.device, precision: str, *, compiled: bool = False) -> dict:
-    """Where a run runs: device, CPU, threads, processes, and the precision it resolved
-    (:func:`~transformer_tutorial.precision.resolve_precision`'s answer, not ``"auto"``)."""
-    info = {
-        "device": str(device),
-        "platform": platform.platform(),
-        "cpu": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "processes": distributed.world_size(),
-        "precision": precision,
-        "compiled": compiled,
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
 
 
 def describe_run(record: RunRecord) -> str:

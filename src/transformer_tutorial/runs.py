@@ -34,6 +34,7 @@ from transformer_tutorial.data import (
 from transformer_tutorial.decode import bleu, translate_sentences
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.precision import resolve_precision
+from transformer_tutorial.provenance import git_commit, hardware
 from transformer_tutorial.records import (
     RECORD_SAMPLES,
     Averaged,
@@ -42,8 +43,6 @@ from transformer_tutorial.records import (
     RunRecord,
     TestScores,
     beam_search_name,
-    git_commit,
-    hardware,
 )
 from transformer_tutorial.run_folder import AVERAGED, BEST, TOKENIZER, RunFolder
 from transformer_tutorial.runtime import get_device

@@ -1,0 +1,61 @@
+"""Where a run ran and from what code: the git commit, the CPU's name and the hardware facts
+that run records (:mod:`~transformer_tutorial.records`), the LM comparison and the bench keep.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from transformer_tutorial import distributed
+
+
+def git_commit() -> dict:
+    """The package's git commit and whether the working tree has uncommitted changes
+    (``{"commit": None}`` outside a git checkout, e.g. installed from a wheel)."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        )
+        status = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None}
+    if commit.returncode:
+        return {"commit": None}
+    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as ``/proc/cpuinfo`` gives it where there is one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
+            )
+    except OSError:
+        return platform.processor()
+
+
+def hardware(device: torch.device, precision: str, *, compiled: bool = False) -> dict:
+    """Where a run runs: device, CPU, threads, processes, and the precision it resolved
+    (:func:`~transformer_tutorial.precision.resolve_precision`'s answer, not ``"auto"``)."""
+    info = {
+        "device": str(device),
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "processes": distributed.world_size(),
+        "precision": precision,
+        "compiled": compiled,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info

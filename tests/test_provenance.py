@@ -1,0 +1,38 @@
+"""provenance.py: the commit, the CPU and the hardware facts a run's record keeps."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer_tutorial import provenance
+from transformer_tutorial.provenance import cpu_name, git_commit, hardware
+
+
+def test_hardware_keeps_the_resolved_precision_and_what_ran_it():
+    info = hardware(torch.device("cpu"), "fp32", compiled=True)
+    assert info["device"] == "cpu" and info["precision"] == "fp32" and info["compiled"] is True
+    assert info["torch_threads"] == torch.get_num_threads() and info["processes"] == 1
+    assert info["cpu"] == cpu_name() and "gpu" not in info  # a GPU's name only on a GPU
+
+
+def test_git_commit_names_this_checkout_and_whether_it_has_changes():
+    here = Path(provenance.__file__).resolve().parent
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True)
+    if head.returncode:
+        pytest.skip("the package does not lie in a git checkout here")
+    info = git_commit()
+    assert info["commit"] == head.stdout.strip() and re.fullmatch(r"[0-9a-f]{40}", info["commit"])
+    assert isinstance(info["dirty"], bool)
+
+
+def test_git_commit_outside_a_checkout_says_none(monkeypatch):
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(provenance.subprocess, "run", no_git)
+    assert git_commit() == {"commit": None}
