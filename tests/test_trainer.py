@@ -21,6 +21,7 @@ from helpers import raises
 from transformer_tutorial import trainer
 from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import pair_lengths, token_batches
+from transformer_tutorial.dropout import CheapDropout
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.run_folder import RunFolder, snapshot_step
 from transformer_tutorial.trainer import (
@@ -254,3 +255,24 @@ RUN_OPTIONS_ROWS = [
 @pytest.mark.parametrize(("changes", "error", "phrase"), RUN_OPTIONS_ROWS, ids=str)
 def test_run_options_refuse_bad_values(changes, error, phrase):
     raises(lambda: RunOptions(**changes), error, phrase)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_on_a_cpu_the_trained_model_draws_cheaper_dropout_masks_unless_compiled(
+    pairs, tmp_path, compiled
+):
+    """Eager training on a CPU swaps every nn.Dropout for CheapDropout (chapter 12); compiled
+    training keeps nn.Dropout, since the compiler draws its own random numbers."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "compile", lambda model: model)  # the wiring only, not a compiler
+        model, _ = fit(
+            CONFIG,
+            *pairs,
+            vocab_size=VOCAB,
+            out_dir=tmp_path,
+            options=RunOptions(seed=SEED, progress=False, max_steps=1, compile=compiled),
+        )
+    dropouts = {type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+    assert CONFIG.model.dropout > 0 and dropouts == {
+        torch.nn.Dropout if compiled else CheapDropout
+    }

@@ -13,8 +13,8 @@ training stands), ``run_folder`` (a run's files), ``runs`` (a whole run, the run
 ``records`` (what a run was and how it went), ``provenance`` (where it ran, from which
 commit); ``decode`` (chapter 11: greedy, beam search, BLEU). The command lines are ``train`` and
 ``translate``; ``runtime`` picks the device and seeds. Chapter 12 adds ``precision`` (fp32,
-bf16 or fp16 with loss scaling) and ``distributed`` (many processes under ``torchrun``), which
-the trainer uses.
+bf16 or fp16 with loss scaling), ``distributed`` (many processes under ``torchrun``) and
+``dropout`` (dropout masks from a quarter of the random draws, on a CPU), which the trainer uses.
 
 From 2017 to today (chapters 13–17), each modern change a small switchable piece:
 ``language_model`` (the decoder alone, GPT), its layer ``lm_layer`` and ``lm_pieces`` (the

@@ -35,6 +35,7 @@ from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import load_checkpoint, restore_rng_states, rng_states
 from transformer_tutorial.configs import RunOptions, TrainConfig
 from transformer_tutorial.data import pair_lengths, token_batches
+from transformer_tutorial.dropout import with_cheap_dropout
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.optim import make_optimizer
 from transformer_tutorial.pair_loss import Pairs, batch_loss, check_pair_ids, evaluate_loss
@@ -73,8 +74,10 @@ class Trainer:
             self.model, lr=config.lr, warmup=config.warmup
         )
         # What the training step calls: the model, wrapped for gradient averaging across ranks
-        # and compiled where asked. self.model stays the plain module: its state_dict has no
-        # wrapper prefixes, so checkpoints load without DDP or compile, and validation runs it.
+        # and compiled where asked, else on a CPU with cheaper dropout masks (chapter 12). The
+        # plain self.model is what checkpoints save (no wrapper prefixes) and validation runs.
+        if device.type == "cpu" and not options.compile:
+            with_cheap_dropout(self.model)
         self.train_model: nn.Module = self.model
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None
@@ -136,8 +139,7 @@ class Trainer:
         }
 
     def save_last(self) -> None:
-        """Write ``last.pt``: everything needed to resume. Every rank calls it (each sends its
-        random number generators' states); rank 0 writes."""
+        """Write ``last.pt``, all that resuming needs: each rank sends its RNG states, 0 writes."""
         self.read_losses()
         self.state.train_seconds = self.elapsed()
         rank_rng = distributed.all_gather_object(rng_states())
@@ -168,8 +170,7 @@ class Trainer:
         )
 
     def validate(self) -> float:
-        """The validation loss now; ``best.pt`` is rewritten when it is the lowest so far.
-        Only rank 0 validates; the other ranks get NaN."""
+        """The validation loss now (rank 0; NaN on the others); ``best.pt`` when it is lowest."""
         if self.rank:
             return math.nan
         state = self.state
@@ -212,8 +213,7 @@ class Trainer:
         return global_loss_sum, global_tokens
 
     def read_losses(self) -> None:
-        """Add the loss and token sums of the steps since the last call to the state: one read
-        back from the device (at logging, at an epoch's end, before saving)."""
+        """Add the unread steps' loss and token sums to the state: one read from the device."""
         loss_sum, tokens = self.unread.tolist()
         self.state.add_loss(loss_sum, round(tokens))
         self.unread.zero_()
