@@ -2,9 +2,9 @@
 the training step compiled; beside each training step, its model FLOPs utilisation.
 
 Ours trains as the trainer does, with logits at the real target tokens only (what
-``nn.Transformer`` cannot do) and, on a CPU, dropout masks drawn a quarter as often
-(:mod:`transformer_tutorial.dropout`); its FLOPs are counted on that step, so its MFU counts the
-work it does, not the padding it skips.
+``nn.Transformer`` cannot do) and, on a CPU where they pay, dropout masks drawn a quarter as
+often (:mod:`transformer_tutorial.dropout`); its FLOPs are counted on that step, so its MFU
+counts the work it does, not the padding it skips.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from bench.mfu import add_mfu, measure_peaks
 from bench.models import TrainStep, build_pair, forward_fn, make_batch
 from bench.timing import interleaved
 from transformer_tutorial.data import PAD_ID
-from transformer_tutorial.dropout import with_cheap_dropout
+from transformer_tutorial.dropout import cheap_masks_pay, with_cheap_dropout
 from transformer_tutorial.flops import count_flops
 from transformer_tutorial.optim import translation_loss
 from transformer_tutorial.precision import autocast
@@ -30,7 +30,7 @@ SIDES = tuple(KEYS.values())
 
 
 class PaddingFreeStep(TrainStep):
-    """Our training step as :func:`transformer_tutorial.trainer.batch_loss` runs it: the output
+    """Our training step as :func:`transformer_tutorial.pair_loss.batch_loss` runs it: the output
     layer and the loss on the real target tokens only."""
 
     def __init__(self, model: nn.Module, ids: Tensor, precision: str) -> None:
@@ -126,7 +126,7 @@ def bench_models(s: Settings, device: torch.device) -> dict:
     out["compile_skipped"] = None if s.compile_cells else "--quick or --no-compile"
     for config in s.configs:
         ours, theirs, vocab = build_pair(config, device)
-        if device.type == "cpu":  # as the trainer trains there (not compiled)
+        if cheap_masks_pay(device):  # as the trainer trains there (not compiled)
             with_cheap_dropout(ours)
         for length in s.lengths:
             ids = make_batch(vocab, max(s.tokens[config] // length, 1), length, device)

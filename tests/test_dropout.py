@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import tiny_config
-from transformer_tutorial.dropout import CheapDropout, cheap_dropout, keep_mask, with_cheap_dropout
+from transformer_tutorial import dropout
+from transformer_tutorial.dropout import (
+    CheapDropout,
+    cheap_dropout,
+    cheap_masks_pay,
+    keep_mask,
+    with_cheap_dropout,
+)
 from transformer_tutorial.model import Transformer
 
 
@@ -82,3 +89,50 @@ def test_with_cheap_dropout_swaps_every_nn_dropout_and_keeps_the_model_equal_whe
     one = model(src, tgt)
     torch.manual_seed(5)
     assert torch.equal(model(src, tgt), one) and not torch.equal(one, before)
+
+
+def test_the_mask_is_four_15_bit_numbers_of_each_64_bit_draw_against_round_p():
+    """keep_mask written out by hand from the same draws: element 4k + i keeps when bits
+    16i .. 16i + 14 of draw k reach round(p · 2¹⁵) (little-endian int16 views)."""
+    p, n = 0.3, 4 * 1000 + 3  # a length that is not a multiple of 4
+    torch.manual_seed(7)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_()
+    chunks = torch.stack([(words >> (16 * i)) & 0x7FFF for i in range(4)], dim=1).flatten()[:n]
+    torch.manual_seed(7)
+    assert torch.equal(keep_mask((n,), p, torch.device("cpu")), chunks >= round(p * 2**15))
+
+
+@pytest.mark.parametrize("p", [1 - 2**-17, 1.0])
+def test_p_at_or_within_2_to_the_minus_16_of_one_keeps_nothing(p):
+    x = torch.randn(1000, requires_grad=True)
+    assert not keep_mask(x.shape, p, x.device).any()
+    out = cheap_dropout(x, p)
+    assert torch.equal(out, torch.zeros_like(x))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_off_the_cpu_the_module_is_nn_dropout(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("cheap_dropout ran off the CPU")
+
+    monkeypatch.setattr(dropout, "cheap_dropout", refuse)
+    out = CheapDropout(0.5).train()(torch.empty(4, 8, device="meta"))
+    assert out.shape == (4, 8) and out.device.type == "meta"
+
+
+@pytest.mark.parametrize(
+    ("cpu", "mkl", "device", "pays"),
+    [
+        ("AMD EPYC 7B13", True, "cpu", True),  # PyTorch draws one number at a time there
+        ("Intel(R) Xeon(R) Platinum 8481C", True, "cpu", False),  # MKL's vectorised draws
+        ("Intel(R) Xeon(R) Platinum 8481C", False, "cpu", True),  # a torch without MKL
+        ("AMD EPYC 7B13", True, "cuda", False),  # a GPU draws in bulk
+    ],
+)
+def test_cheap_masks_pay_where_pytorch_draws_one_number_at_a_time(
+    monkeypatch, cpu, mkl, device, pays
+):
+    monkeypatch.setattr(dropout, "cpu_name", lambda: cpu)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+    assert cheap_masks_pay(torch.device(device)) is pays

@@ -257,14 +257,15 @@ def test_run_options_refuse_bad_values(changes, error, phrase):
     raises(lambda: RunOptions(**changes), error, phrase)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_on_a_cpu_the_trained_model_draws_cheaper_dropout_masks_unless_compiled(
-    pairs, tmp_path, compiled
+@pytest.mark.parametrize(("pays", "compiled"), [(True, False), (True, True), (False, False)])
+def test_the_trained_model_draws_cheaper_dropout_masks_where_they_pay_unless_compiled(
+    pairs, tmp_path, pays, compiled
 ):
-    """Eager training on a CPU swaps every nn.Dropout for CheapDropout (chapter 12); compiled
-    training keeps nn.Dropout, since the compiler draws its own random numbers."""
+    """Eager training where cheap masks pay swaps every nn.Dropout for CheapDropout (chapter
+    12); compiled training keeps nn.Dropout, since the compiler draws its own random numbers."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "compile", lambda model: model)  # the wiring only, not a compiler
+        patch.setattr(trainer, "cheap_masks_pay", lambda device: pays)  # whatever this CPU is
         model, _ = fit(
             CONFIG,
             *pairs,
@@ -273,6 +274,5 @@ def test_on_a_cpu_the_trained_model_draws_cheaper_dropout_masks_unless_compiled(
             options=RunOptions(seed=SEED, progress=False, max_steps=1, compile=compiled),
         )
     dropouts = {type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)}
-    assert CONFIG.model.dropout > 0 and dropouts == {
-        torch.nn.Dropout if compiled else CheapDropout
-    }
+    swapped = pays and not compiled
+    assert CONFIG.model.dropout > 0 and dropouts == {CheapDropout if swapped else torch.nn.Dropout}

@@ -126,7 +126,7 @@ CONFIGS = {
         eval_size=50,
         beam_size=2,
     ),
-    # Chapter 10's own run on a CPU, 600 steps (about a minute and a half): small made narrower,
+    # Chapter 10's own run on a CPU, 600 steps (a minute or two): small made narrower,
     # shallower and with half its vocabulary; at d_model 128 an 8,000-token output layer and
     # softmax were a third of each step (measured on 2 cores: 4,000 tokens trained 25% faster
     # and scored no lower). It sees about one epoch, so no dropout, and many small batches at a

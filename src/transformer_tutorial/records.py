@@ -146,7 +146,8 @@ class RunRecord:
     ``"averaged.pt"`` for a recipe with ``average_last`` above 1). For those, ``averaged`` says
     which checkpoints were averaged, the mean's validation loss and, to compare, ``best.pt``'s
     scores; otherwise it is None. ``config`` and ``model_config`` are the configs' own
-    dictionaries (``dataclasses.asdict``), ``hardware`` is :func:`hardware`'s.
+    dictionaries (``dataclasses.asdict``), ``hardware`` is
+    :func:`~transformer_tutorial.provenance.hardware`'s.
     """
 
     command: list[str]

@@ -33,6 +33,7 @@ from transformer_tutorial.data import (
 )
 from transformer_tutorial.decode import bleu, translate_sentences
 from transformer_tutorial.model import Transformer
+from transformer_tutorial.pair_loss import Pairs
 from transformer_tutorial.precision import resolve_precision
 from transformer_tutorial.provenance import git_commit, hardware
 from transformer_tutorial.records import (
@@ -54,8 +55,6 @@ from transformer_tutorial.trainer import evaluate_loss, fit
 # `small` (about where its validation loss bottoms out; a minute or two on a recent GPU).
 CHAPTER_STEPS = {"cuda": 2500, "cpu": 600}
 CHAPTER_MINUTES = {"cuda": 10.0, "cpu": 10.0}
-
-Pairs = list[tuple[list[int], list[int]]]  # encoded (source, target) sentence pairs
 
 
 def _prepare_data(
@@ -220,7 +219,7 @@ RUN_PREFERENCE = ("base", "small", "chapter10")
 
 def runs_dir() -> Path:
     """Where the chapters keep trained runs: ``runs`` in the book's cache folder
-    (:func:`transformer_tutorial.data.cache_dir`), one subfolder per run name."""
+    (:func:`transformer_tutorial.multi30k.cache_dir`), one subfolder per run name."""
     return cache_dir() / "runs"
 
 

@@ -35,7 +35,7 @@ from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import load_checkpoint, restore_rng_states, rng_states
 from transformer_tutorial.configs import RunOptions, TrainConfig
 from transformer_tutorial.data import pair_lengths, token_batches
-from transformer_tutorial.dropout import with_cheap_dropout
+from transformer_tutorial.dropout import cheap_masks_pay, with_cheap_dropout
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.optim import make_optimizer
 from transformer_tutorial.pair_loss import Pairs, batch_loss, check_pair_ids, evaluate_loss
@@ -46,8 +46,9 @@ from transformer_tutorial.train_state import TrainingInterrupted, TrainState
 
 
 class Trainer:
-    """One training run of ``model`` with the recipe ``config`` on ``train_pairs``, as
-    ``options`` say, checkpointed into ``folder``; :meth:`fit` runs it."""
+    """One training run of ``model`` with the recipe ``config`` on ``train_pairs``, as ``options``
+    say, into ``folder`` (:meth:`fit` runs it); on a CPU where cheaper dropout masks pay
+    (:mod:`~transformer_tutorial.dropout`), ``model``'s dropouts are swapped for them in place."""
 
     def __init__(
         self,
@@ -73,10 +74,9 @@ class Trainer:
         self.optimizer, self.schedule = make_optimizer(
             self.model, lr=config.lr, warmup=config.warmup
         )
-        # What the training step calls: the model, wrapped for gradient averaging across ranks
-        # and compiled where asked, else on a CPU with cheaper dropout masks (chapter 12). The
+        # What the training step calls: the model, wrapped for DDP and compiled where asked; the
         # plain self.model is what checkpoints save (no wrapper prefixes) and validation runs.
-        if device.type == "cpu" and not options.compile:
+        if cheap_masks_pay(device) and not options.compile:
             with_cheap_dropout(self.model)
         self.train_model: nn.Module = self.model
         if self.world_size > 1:
