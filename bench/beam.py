@@ -9,8 +9,8 @@ import torch
 from bench.cli import Settings
 from bench.timing import timed_call
 from transformer_tutorial.checkpoint import load_model
-from transformer_tutorial.data import load_split
 from transformer_tutorial.decode import translate_sentences
+from transformer_tutorial.multi30k import load_split
 from transformer_tutorial.precision import autocast
 from transformer_tutorial.runs import find_checkpoint
 

@@ -12,7 +12,7 @@ import torch
 
 from transformer_tutorial import runs
 from transformer_tutorial.configs import CONFIGS
-from transformer_tutorial.data import cache_dir
+from transformer_tutorial.multi30k import cache_dir
 from transformer_tutorial.runs import find_checkpoint, runs_dir, train_for_chapter
 
 RUN_FILES = ("best.pt", "tokenizer.json", "record.json")

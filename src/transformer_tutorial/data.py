@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from torch import Tensor
 
-# The corpus's names, re-exported: the chapters and runs.py call them from here.
+# The corpus's names, re-exported for the chapters, which call them from here (data.load_split).
 from transformer_tutorial.multi30k import (  # noqa: F401
     SPLIT_SIZES,
     SPLITS,

@@ -39,6 +39,7 @@ from transformer_tutorial.checks import (
 )
 from transformer_tutorial.language_model import LanguageModel, LMConfig, next_token_loss
 from transformer_tutorial.lm_pieces import LLAMA
+from transformer_tutorial.multi30k import load_split
 from transformer_tutorial.provenance import cpu_name, git_commit
 from transformer_tutorial.sampling import generate
 
@@ -62,8 +63,8 @@ def comparison_config(name: str, vocab_size: int) -> LMConfig:
 def prepare_data() -> tuple[Tokenizer, list[list[int]], torch.Tensor]:
     """Chapter 13's data: a 2,000-subword BPE learned on the English training sentences, the
     training sentences as ids, and the first 500 validation sentences as one padded batch."""
-    _, train_en = data.load_split("train")
-    _, val_en = data.load_split("val")
+    _, train_en = load_split("train")
+    _, val_en = load_split("val")
     tokenizer = data.train_tokenizer(train_en, vocab_size=VOCAB_SIZE)
 
     def encode(sentences: Sequence[str]) -> list[list[int]]:

@@ -24,15 +24,14 @@ from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import average_checkpoints, load_model
 from transformer_tutorial.configs import CONFIGS, RunOptions, TrainConfig
 from transformer_tutorial.data import (
-    cache_dir,
     encode_pairs,
-    load_split,
     load_tokenizer,
     save_tokenizer,
     train_tokenizer,
 )
 from transformer_tutorial.decode import bleu, translate_sentences
 from transformer_tutorial.model import Transformer
+from transformer_tutorial.multi30k import cache_dir, load_split
 from transformer_tutorial.pair_loss import Pairs
 from transformer_tutorial.precision import resolve_precision
 from transformer_tutorial.provenance import git_commit, hardware
