@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from transformer_tutorial import distributed
+from transformer_tutorial.allocator import keep_freed_memory
 from transformer_tutorial.checkpoint import load_checkpoint, restore_rng_states, rng_states
 from transformer_tutorial.configs import RunOptions, TrainConfig
 from transformer_tutorial.data import pair_lengths, token_batches
@@ -48,7 +49,9 @@ from transformer_tutorial.train_state import TrainingInterrupted, TrainState
 class Trainer:
     """One training run of ``model`` with the recipe ``config`` on ``train_pairs``, as ``options``
     say, into ``folder`` (:meth:`fit` runs it); on a CPU where cheaper dropout masks pay
-    (:mod:`~transformer_tutorial.dropout`), ``model``'s dropouts are swapped for them in place."""
+    (:mod:`~transformer_tutorial.dropout`), ``model``'s dropouts are swapped for them in place,
+    and on any CPU the process keeps freed memory for the next step
+    (:mod:`~transformer_tutorial.allocator`)."""
 
     def __init__(
         self,
@@ -72,12 +75,14 @@ class Trainer:
         self.precision = resolve_precision(options.precision, device)
         self.scaler = grad_scaler(self.precision, device)
         self.optimizer, self.schedule = make_optimizer(
-            self.model, lr=config.lr, warmup=config.warmup
+            self.model, lr=config.lr, warmup=config.warmup, total_steps=config.steps
         )
         # What the training step calls: the model, wrapped for DDP and compiled where asked; the
         # plain self.model is what checkpoints save (no wrapper prefixes) and validation runs.
         if cheap_masks_pay(device) and not options.compile:
             with_cheap_dropout(self.model)
+        if device.type == "cpu":  # each step's large tensors reuse pages instead of faulting
+            keep_freed_memory()
         self.train_model: nn.Module = self.model
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None
@@ -282,8 +287,8 @@ class Trainer:
         return stopped_by
 
     def fit(self) -> TrainState:
-        """Train until ``config.epochs`` or the options' ``max_steps`` or ``max_minutes``, then
-        validate and save ``last.pt``."""
+        """Train until ``config.epochs`` or ``config.steps`` or the options' ``max_steps`` or
+        ``max_minutes``, then validate and save ``last.pt``."""
         state, options = self.state, self.options
         deadline = self.started + 60 * (options.max_minutes or math.inf)  # None: no deadline
 
@@ -292,13 +297,16 @@ class Trainer:
                 reason = "interrupted"
             elif options.max_steps is not None and state.step >= options.max_steps:
                 reason = "max_steps"
+            elif self.config.steps is not None and state.step >= self.config.steps:
+                reason = "steps"  # the recipe's schedule has reached zero
             else:
                 reason = "max_minutes" if time.monotonic() >= deadline else ""
             return distributed.agree_on_stop(reason, self.device)  # every rank stops together
 
         self.model.train()
         progress = options.progress and self.rank == 0
-        stopped_by = should_stop() if options.max_steps is not None else ""
+        limited = options.max_steps is not None or self.config.steps is not None
+        stopped_by = should_stop() if limited else ""
         with catch_stop_signals(self.stop_request):
             while not stopped_by and state.epoch < self.config.epochs:
                 stopped_by = self.run_epoch(should_stop, progress)
