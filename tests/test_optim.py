@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from transformer_tutorial.optim import (
     label_smoothing_loss,
@@ -16,6 +17,7 @@ from transformer_tutorial.optim import (
     paper_peak_lr,
     translation_loss,
     warmup_inverse_sqrt,
+    warmup_linear_decay,
 )
 
 PAD = 0
@@ -139,3 +141,23 @@ def test_fused_adam_takes_the_steps_of_the_plain_loop(seed, threads):
     for a, b, c in zip(fused.parameters(), plain.parameters(), start.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert (a - c).abs().max() > 1e-2  # they did move
+
+
+def test_linear_decay_warms_up_then_falls_to_zero_at_the_last_step():
+    warmup, total = 4, 10
+    f = [warmup_linear_decay(step, warmup=warmup, total=total) for step in range(total)]
+    assert f[:warmup] == [0.25, 0.5, 0.75, 1.0]  # as the paper's warm-up
+    # The peak, then down by 1/6 a step: the last step still moves, the step after it would not.
+    assert f[warmup:] == pytest.approx([1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6])
+    assert warmup_linear_decay(total, warmup=warmup, total=total) == 0.0
+
+
+def test_make_optimizer_with_total_steps_follows_the_linear_decay():
+    model = nn.Linear(2, 2)
+    optimizer, schedule = make_optimizer(model, lr=1e-3, warmup=2, total_steps=6)
+    lrs = []
+    for _ in range(6):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 0.75e-3, 0.5e-3, 0.25e-3])

@@ -276,3 +276,17 @@ def test_the_trained_model_draws_cheaper_dropout_masks_where_they_pay_unless_com
     dropouts = {type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)}
     swapped = pays and not compiled
     assert CONFIG.model.dropout > 0 and dropouts == {CheapDropout if swapped else torch.nn.Dropout}
+
+
+def test_a_recipe_with_steps_decays_to_zero_there_and_stops(pairs, tmp_path):
+    train_pairs, val_pairs = pairs
+    config = replace(CONFIG, warmup=2, steps=7, epochs=100)
+    options = RunOptions(seed=SEED, progress=False)
+    _, state = fit(
+        config, train_pairs, val_pairs, vocab_size=VOCAB, out_dir=tmp_path, options=options
+    )
+    assert state.step == 7 and state.stopped_by == "steps"
+    lrs = {e["step"]: e["lr"] for e in state.history["train"]}  # logged every 2 steps
+    peak = config.lr
+    assert lrs[2] == pytest.approx(peak) and lrs[4] == pytest.approx(peak * 3 / 5)
+    assert lrs[6] == pytest.approx(peak / 5)

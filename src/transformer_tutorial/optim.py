@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,17 @@ def warmup_inverse_sqrt(step: int, *, warmup: int) -> float:
     return min(step / warmup, math.sqrt(warmup / step))
 
 
+def warmup_linear_decay(step: int, *, warmup: int, total: int) -> float:
+    """The learning-rate multiplier of a run that knows its length: up linearly to 1 at step
+    ``warmup``, then down linearly, reaching 0 just after the last of ``total`` steps.
+
+    ``step`` counts the optimizer steps already taken (0 for the first), as in
+    :func:`warmup_inverse_sqrt`. Decaying to zero at the end of the budget lets the last few
+    hundred steps settle into the minimum that the noisy updates at full rate only circle.
+    """
+    return min((step + 1) / warmup, (total - step) / (total - warmup))
+
+
 def paper_peak_lr(d_model: int, warmup: int, factor: float = 1.0) -> float:
     """The peak of the paper's learning rate, reached at ``step = warmup`` (section 5.3):
 
@@ -71,10 +83,11 @@ def translation_loss(
 
 
 def make_optimizer(
-    model: nn.Module, *, lr: float, warmup: int
+    model: nn.Module, *, lr: float, warmup: int, total_steps: int | None = None
 ) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
-    """Adam with the paper's β = (0.9, 0.98), ε = 1e-9, and the warm-up schedule peaking at
-    ``lr`` after ``warmup`` steps.
+    """Adam with the paper's β = (0.9, 0.98), ε = 1e-9, and a schedule peaking at ``lr`` after
+    ``warmup`` steps: the paper's inverse square root, or with ``total_steps`` a linear decay to
+    zero at the last step (:func:`warmup_linear_decay`).
 
     ``fused``: one kernel updates every parameter (on the CPU too), several times faster than
     the default loop over parameters, which also reads each one's step count back as a number.
@@ -82,7 +95,9 @@ def make_optimizer(
     optimizer = torch.optim.Adam(
         model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9, fused=True
     )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_inverse_sqrt(step, warmup=warmup)
-    )
+    if total_steps is None:
+        multiplier = partial(warmup_inverse_sqrt, warmup=warmup)
+    else:
+        multiplier = partial(warmup_linear_decay, warmup=warmup, total=total_steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
     return optimizer, schedule
