@@ -11,6 +11,7 @@ from torch import nn
 
 from helpers import tiny_config
 from transformer_tutorial import dropout
+from transformer_tutorial.attention import MultiHeadAttention, scaled_dot_product_attention
 from transformer_tutorial.dropout import (
     CheapDropout,
     cheap_dropout,
@@ -136,3 +137,31 @@ def test_cheap_masks_pay_where_pytorch_draws_one_number_at_a_time(
     monkeypatch.setattr(dropout, "cpu_name", lambda: cpu)
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
     assert cheap_masks_pay(torch.device(device)) is pays
+
+
+def test_attention_drops_its_weights_with_the_cheap_mask_once_swapped():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2, dropout=0.3).train()
+    assert mha.drop_weights is None  # PyTorch's fused kernel, nn.MultiheadAttention's masks
+    with_cheap_dropout(mha)
+    assert mha.drop_weights is cheap_dropout
+    x = torch.randn(2, 5, 16)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
+    torch.manual_seed(1)
+    out, _ = mha(x, x, x, attn_mask=causal)
+    # The written-out attention, its weights dropped with the mask the same seed draws.
+    q, kv = mha.project_qkv(x)
+    torch.manual_seed(1)
+    heads, _ = scaled_dot_product_attention(
+        q, kv.k, kv.v, attn_mask=causal, dropout_p=0.3, dropout=cheap_dropout
+    )
+    expected = mha.out_proj(heads.transpose(1, 2).reshape(2, 5, 16))
+    assert torch.allclose(out, expected, atol=1e-6)
+    # The share of weights dropped is p, and evaluating drops none.
+    torch.manual_seed(2)
+    long = torch.randn(4, 200, 16)
+    _, weights = mha(long, long, long, need_weights=True)
+    dropped = (weights == 0).double().mean().item()
+    assert abs(dropped - 0.3) < 5 * math.sqrt(0.3 * 0.7 / weights.numel())
+    _, weights = mha.eval()(long, long, long, need_weights=True)
+    assert (weights > 0).all()

@@ -7,6 +7,7 @@ Masks are bool with True = blocked (see :mod:`transformer_tutorial.masks`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ def scaled_dot_product_attention(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    dropout: Callable[[Tensor, float], Tensor] = F.dropout,
 ) -> tuple[Tensor, Tensor | None]:
     """softmax(q kᵀ / √d_k) v, written out.
 
@@ -37,6 +39,8 @@ def scaled_dot_product_attention(
         key_padding_mask: bool ``(B, S)``, True = padding.
         dropout_p: dropout on the attention weights (pass 0.0 when evaluating).
         need_weights: also return the weights ``(B, H, L, S)`` (or ``(B, L, S)``).
+        dropout: what drops the weights, ``dropout(weights, dropout_p)``: ``F.dropout``, or
+            chapter 12's :func:`~transformer_tutorial.dropout.cheap_dropout`.
 
     Returns:
         ``(output, weights or None)``; output ``(B, H, L, Dv)`` (or ``(B, L, Dv)``).
@@ -69,7 +73,7 @@ def scaled_dot_product_attention(
     if blocked is not None:
         weights = weights.masked_fill(blocked, 0.0)
     if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
+        weights = dropout(weights, dropout_p)
     return weights @ v, (weights if need_weights else None)
 
 
@@ -108,6 +112,11 @@ class MultiHeadAttention(nn.Module):
     ``nn.MultiheadAttention`` tests it) ``forward`` computes the three projections as one matrix
     product instead (:meth:`project_qkv`), and when ``key is value`` the two of keys and values:
     the same numbers, fewer and larger GEMMs.
+
+    ``drop_weights`` (None) is what drops the attention weights while training: None leaves it to
+    PyTorch's fused kernel, which draws the same masks as ``nn.MultiheadAttention``; a function,
+    as chapter 12's :func:`~transformer_tutorial.dropout.with_cheap_dropout` sets, runs the
+    written-out attention and drops the weights with it.
     """
 
     def __init__(
@@ -127,6 +136,7 @@ class MultiHeadAttention(nn.Module):
         self.n_heads = n_heads
         self.d_head = d_model // n_heads
         self.dropout = dropout
+        self.drop_weights: Callable[[Tensor, float], Tensor] | None = None
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
         self.k_proj = nn.Linear(d_model, d_model, bias=bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
@@ -202,10 +212,17 @@ class MultiHeadAttention(nn.Module):
         blocked = merge_masks(  # True = blocked, (B or 1, H or 1, L or 1, S)
             attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S, n_heads=self.n_heads
         )
-        if need_weights:  # 2) attend, written out
+        own_dropout = dropout_p > 0.0 and self.drop_weights is not None
+        if need_weights or own_dropout:  # 2) attend, written out
             mask = None if blocked is None else blocked.expand(B, -1, L, S)
             out, weights = scaled_dot_product_attention(
-                q, kv.k, kv.v, attn_mask=mask, dropout_p=dropout_p, need_weights=True
+                q,
+                kv.k,
+                kv.v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                need_weights=need_weights,
+                dropout=self.drop_weights or F.dropout,
             )
         else:  # 2) attend with PyTorch's fused kernel: same function, less memory traffic
             allowed = None if blocked is None else ~blocked  # F.sdpa: True = attend

@@ -22,6 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from transformer_tutorial.attention import MultiHeadAttention
 from transformer_tutorial.provenance import cpu_name
 
 BITS = 15  # per random number: four to one 64-bit draw (its top bit is always 0)
@@ -70,10 +71,16 @@ def cheap_masks_pay(device: torch.device) -> bool:
 
 def with_cheap_dropout(model: nn.Module) -> nn.Module:
     """Replace every ``nn.Dropout`` in ``model`` (not its subclasses) by a
-    :class:`CheapDropout` of the same ``p``, in place; returns ``model``. Dropout inside
-    attention (``F.dropout`` on the weights, ``F.scaled_dot_product_attention``) is left as it
-    is."""
+    :class:`CheapDropout` of the same ``p``, and have every
+    :class:`~transformer_tutorial.attention.MultiHeadAttention` drop its weights with
+    :func:`cheap_dropout` (``drop_weights``), in place; returns ``model``.
+
+    The attention weights then go the written-out way instead of through PyTorch's fused
+    kernel, which on a CPU computes them the same way when it drops them (its flash kernel
+    cannot), but draws its mask with ``bernoulli_``."""
     for module in list(model.modules()):
+        if isinstance(module, MultiHeadAttention):
+            module.drop_weights = cheap_dropout
         for name, child in module.named_children():
             if type(child) is nn.Dropout:
                 setattr(module, name, CheapDropout(child.p, child.inplace))
