@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-# glibc's mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+from transformer_tutorial.allocator import M_TRIM_THRESHOLD, glibc_mallopt
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
 def _rss_bytes(field: str) -> int:
@@ -28,16 +29,14 @@ def map_large_allocations(threshold: int = 64 * 1024) -> bool:
     By default glibc raises that threshold as large blocks are freed (up to 32 MiB) and keeps
     freed memory for reuse: after the training benchmarks, a 128 MiB score tensor fits in memory
     the process already holds, and the resident set does not move (the peaks read 0). It costs
-    a page fault for every fresh page, so it is for a process that measures memory, not time.
-    False where this is not glibc."""
-    try:
-        libc = ctypes.CDLL(None)
-        ok = libc.mallopt(M_MMAP_THRESHOLD, threshold) and libc.mallopt(
-            M_TRIM_THRESHOLD, threshold
-        )
-        libc.malloc_trim(0)  # give back what is already free
-    except (OSError, AttributeError):
+    a page fault for every fresh page, so it is for a process that measures memory, not time:
+    the opposite of :func:`transformer_tutorial.allocator.keep_freed_memory`, which the
+    benchmark's own process calls. False where this is not glibc."""
+    mallopt = glibc_mallopt()
+    if mallopt is None:
         return False
+    ok = mallopt(M_MMAP_THRESHOLD, threshold) and mallopt(M_TRIM_THRESHOLD, threshold)
+    ctypes.CDLL(None).malloc_trim(0)  # give back what is already free
     return bool(ok)
 
 

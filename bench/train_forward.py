@@ -3,8 +3,10 @@ the training step compiled; beside each training step, its model FLOPs utilisati
 
 Ours trains as the trainer does, with logits at the real target tokens only (what
 ``nn.Transformer`` cannot do) and, on a CPU where they pay, dropout masks drawn a quarter as
-often (:mod:`transformer_tutorial.dropout`); its FLOPs are counted on that step, so its MFU
-counts the work it does, not the padding it skips.
+often, the attention weights' included (:mod:`transformer_tutorial.dropout`); its FLOPs are
+counted on that step, so its MFU counts the work it does, not the padding it skips. On a CPU
+both sides run with freed memory kept (:mod:`transformer_tutorial.allocator`), as the trainer
+does.
 """
 
 from __future__ import annotations

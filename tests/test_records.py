@@ -11,7 +11,12 @@ import pytest
 
 from transformer_tutorial import records
 from transformer_tutorial.decode import BleuScore
-from transformer_tutorial.records import RunRecord, describe_run, load_reference_record
+from transformer_tutorial.records import (
+    RunRecord,
+    describe_run,
+    load_reference_bench,
+    load_reference_record,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_RECORD = ROOT / "results" / "multi30k_de_en" / "record.json"
@@ -19,6 +24,15 @@ RESULTS_RECORD = ROOT / "results" / "multi30k_de_en" / "record.json"
 
 def test_the_reference_record_ships_with_the_package_and_equals_the_results_file():
     assert load_reference_record() == RunRecord.load(RESULTS_RECORD)
+
+
+def test_the_reference_bench_ships_with_the_package_and_equals_its_results_file():
+    bench = load_reference_bench()
+    meta = bench["meta"]
+    results_file = ROOT / "bench" / "results" / f"{meta['device']}-{meta['torch']}.json"
+    assert bench == json.loads(results_file.read_text(encoding="utf-8"))
+    assert not meta["quick"] and bench["train_step"]  # a full run, with the MFU chapter 12 shows
+    assert all(0 < row["ours_mfu"] < 1 for row in bench["train_step"])
 
 
 @pytest.mark.parametrize("name", ["record.json", "h200_chapter10_record.json"])
