@@ -9,35 +9,36 @@ import pytest
 
 from transformer_tutorial.allocator import glibc_mallopt, keep_freed_memory, page_faults
 
-# Allocate, touch and free a 64 MiB tensor ten times (16,384 pages of 4 KiB each time), after one
-# untimed round; print the page faults the ten took.
+# Allocate, touch and free a 64 MiB tensor twenty times; print each round's page faults. With
+# 4 KiB pages a fresh tensor is 16,384 faults (with transparent huge pages set to "always", far
+# fewer), so the test compares the two modes' last rounds, not a constant. Kept memory needs a
+# few rounds before the heap has a free block the tensor fits (eight with glibc 2.35).
 SCRIPT = """
 import sys, torch
 from transformer_tutorial.allocator import keep_freed_memory, page_faults
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
-def rounds():
-    for _ in range(10):
-        torch.empty(16 * 2**20).fill_(1.0)
-rounds()
-print(page_faults(rounds))
+def one_round():
+    torch.empty(16 * 2**20).fill_(1.0)
+print(*[page_faults(one_round) for _ in range(20)])
 """
 
 needs_glibc = pytest.mark.skipif(glibc_mallopt() is None, reason="the C library is not glibc")
 
 
-def faults(mode: str) -> int:
+def faults(mode: str) -> list[int]:
+    """Each of twenty rounds' page faults, in a fresh process."""
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True
     )
-    return int(out.stdout.split()[-1])
+    return [int(n) for n in out.stdout.split()[-20:]]
 
 
 @needs_glibc
 def test_large_tensors_stop_faulting_once_freed_memory_is_kept():
-    pages = 10 * 16 * 2**20 * 4 // 4096  # ten 64 MiB tensors in 4 KiB pages
-    assert faults("default") > pages // 2  # each round's tensor is mapped afresh
-    assert faults("keep") < pages // 100  # the first round's pages are reused
+    default, keep = faults("default"), faults("keep")
+    assert all(n > default[0] // 2 > 0 for n in default)  # every round maps its tensor afresh
+    assert sum(keep[-4:]) < sum(default[-4:]) // 10  # the last rounds reuse mapped pages
 
 
 @needs_glibc
