@@ -79,6 +79,8 @@ TRAIN_CONFIG_ROWS = [
     ({"eval_size": 0}, ValueError, "eval_size must be at least 1"),
     ({"alpha": -0.5}, ValueError, "alpha must be at least 0.0"),
     ({"average_last": 0}, ValueError, "average_last must be at least 1, got 0"),
+    ({"steps": 0}, ValueError, "steps must be at least 1, got 0"),
+    ({"warmup": 20, "steps": 20}, ValueError, "steps=20 must be more than warmup=20"),
     (
         {"average_last": 3, "checkpoint_every": 0},
         ValueError,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from transformer_tutorial import distributed
+from transformer_tutorial import trainer as trainer_module
 from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import pair_lengths, token_batches
 from transformer_tutorial.model import Transformer
@@ -25,7 +27,8 @@ from transformer_tutorial.trainer import Trainer, fit
 
 VOCAB = 13  # the digit-reversal task's
 SEED, STEPS, WORLD = 3, 4, 2
-# No dropout: each rank draws its own masks, which one process cannot reproduce.
+# No dropout: each rank draws its own masks, which one process cannot reproduce. The recipe's own
+# length stops the ranks (its schedule decays to zero there): every rank must agree on "steps".
 CONFIG = replace(
     CONFIGS["tiny"],
     model=replace(CONFIGS["tiny"].model, dropout=0.0),
@@ -33,6 +36,8 @@ CONFIG = replace(
     log_every=1,
     eval_every=0,
     checkpoint_every=0,
+    warmup=2,
+    steps=STEPS,
 )
 
 
@@ -61,6 +66,21 @@ def test_shard_batches_rejects_bad_ranks():
         distributed.shard_batches([[0], [1], [2]], rank=0, world_size=2)
 
 
+@pytest.mark.parametrize("reason", distributed.STOP_REASONS)
+def test_every_stop_reason_survives_the_ranks_agreement(monkeypatch, reason):
+    """agree_on_stop sends each reason as its index in STOP_REASONS; one the trainer can give
+    but the tuple lacks would fail only under torchrun."""
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op: None)  # a world of one rank
+    assert distributed.agree_on_stop(reason, torch.device("cpu")) == reason
+
+
+def test_the_trainer_stops_only_for_reasons_the_ranks_can_agree_on():
+    source = Path(trainer_module.__file__).read_text(encoding="utf-8")
+    given = set(re.findall(r'reason = "([a-z_]+)"', source))
+    assert given and given <= set(distributed.STOP_REASONS), given - set(distributed.STOP_REASONS)
+
+
 def _train_rank(rank: int, store: str, pairs: tuple, out_dir: Path) -> None:
     """One of the ranks: join the gloo group, then train as ``fit`` does under torchrun."""
     torch.set_num_threads(1)
@@ -74,7 +94,7 @@ def _train_rank(rank: int, store: str, pairs: tuple, out_dir: Path) -> None:
             val_pairs,
             vocab_size=VOCAB,
             out_dir=out_dir,
-            options=RunOptions(seed=SEED, progress=False, max_steps=STEPS),
+            options=RunOptions(seed=SEED, progress=False),
         )
     finally:
         dist.destroy_process_group()
@@ -114,6 +134,7 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_global_batches(
         loss_sum, tokens = one.train_step(global_batch)
         losses.append((loss_sum / tokens).item())  # tensors on the device: read when wanted
 
+    assert ranks["state"]["step"] == STEPS  # stopped by the recipe's length, on both ranks
     logged = [e["train_loss"] for e in ranks["state"]["history"]["train"]]
     assert logged == pytest.approx(losses, rel=1e-5)
     worst = max(

@@ -165,3 +165,17 @@ def test_attention_drops_its_weights_with_the_cheap_mask_once_swapped():
     assert abs(dropped - 0.3) < 5 * math.sqrt(0.3 * 0.7 / weights.numel())
     _, weights = mha.eval()(long, long, long, need_weights=True)
     assert (weights > 0).all()
+
+
+def test_off_the_cpu_attention_leaves_its_weights_to_pytorchs_kernel():
+    """On a GPU the fused kernel drops the weights itself: the cheap mask is not used there (the
+    meta device stands in for one: shapes only)."""
+
+    def must_not_run(weights, p):
+        raise AssertionError("the cheap mask ran off the CPU")
+
+    mha = MultiHeadAttention(16, 2, dropout=0.3).train().to("meta")
+    mha.drop_weights = must_not_run
+    x = torch.empty(2, 5, 16, device="meta")
+    out, _ = mha(x, x, x)
+    assert out.shape == (2, 5, 16) and out.device.type == "meta"

@@ -150,6 +150,7 @@ def test_linear_decay_warms_up_then_falls_to_zero_at_the_last_step():
     # The peak, then down by 1/6 a step: the last step still moves, the step after it would not.
     assert f[warmup:] == pytest.approx([1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6])
     assert warmup_linear_decay(total, warmup=warmup, total=total) == 0.0
+    assert warmup_linear_decay(total + 5, warmup=warmup, total=total) == 0.0  # never negative
 
 
 def test_make_optimizer_with_total_steps_follows_the_linear_decay():

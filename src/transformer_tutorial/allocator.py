@@ -1,14 +1,18 @@
-"""Chapter 12: keep freed memory for the next step — glibc's ``malloc`` told not to hand large
-blocks back to the kernel.
+"""Chapter 12: keep freed memory for the next step — glibc's ``malloc`` told not to hand memory
+back to the kernel.
 
-A training step allocates the same large tensors again and again: the logits alone are tokens ×
-vocabulary floats, a dozen megabytes. glibc serves a block that large with a fresh ``mmap`` and
-unmaps it when the tensor is freed, so the next step's block starts as untouched pages, and
-touching each 4 KiB page costs a page fault in the kernel. A step of the ``small`` recipe took
-about 80,000 of them a second on 2 cores. :func:`keep_freed_memory` calls ``mallopt`` so that
-large blocks come from the heap (``M_MMAP_MAX = 0``) and freed memory stays there
-(``M_TRIM_THRESHOLD``): the next step reuses pages already mapped. It is what the environment
-variables ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` do, applied from inside the process.
+A training step allocates the same large tensors again and again: the logits alone are target
+tokens × vocabulary floats, about 80 MB in a batch of the ``small`` recipe. glibc serves a block
+that large — above 32 MiB, the most its adaptive ``mmap`` threshold reaches — with a fresh
+``mmap`` and unmaps it when the tensor is freed; smaller blocks come from its heap, but what is
+freed at the heap's top beyond a trim threshold goes back to the kernel as well. Either way the
+next step's tensors start as untouched pages, and touching each 4 KiB page costs a page fault in
+the kernel: a step of the ``small`` recipe took about 80,000 of them a second on 2 cores.
+:func:`keep_freed_memory` calls ``mallopt`` so that every block comes from the heap
+(``M_MMAP_MAX = 0``) and the heap is never trimmed (``M_TRIM_THRESHOLD = -1``): once the freed
+blocks have merged into one the tensors fit, a step reuses pages already mapped. It is what the
+environment variables ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` do, applied from inside
+the process.
 
 The trainer and the benchmark call it on a CPU. It changes no number, only where the bytes
 live; the process keeps its high-water mark of memory instead of giving it back between steps.
@@ -25,7 +29,7 @@ from collections.abc import Callable
 # mallopt's parameter numbers, from glibc's <malloc.h>.
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
-KEEP_BYTES = 2**31 - 1  # the largest int mallopt takes: keep up to 2 GiB of freed memory
+NO_TRIM = -1  # as M_TRIM_THRESHOLD: never give the heap's free top back ("disables trimming")
 
 
 def glibc_mallopt() -> Callable[[int, int], int] | None:
@@ -52,7 +56,7 @@ def keep_freed_memory() -> bool:
     mallopt = glibc_mallopt()
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, NO_TRIM))
 
 
 def page_faults(fn: Callable[[], object]) -> int:

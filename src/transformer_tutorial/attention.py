@@ -113,10 +113,11 @@ class MultiHeadAttention(nn.Module):
     product instead (:meth:`project_qkv`), and when ``key is value`` the two of keys and values:
     the same numbers, fewer and larger GEMMs.
 
-    ``drop_weights`` (None) is what drops the attention weights while training: None leaves it to
-    PyTorch's fused kernel, which draws the same masks as ``nn.MultiheadAttention``; a function,
-    as chapter 12's :func:`~transformer_tutorial.dropout.with_cheap_dropout` sets, runs the
-    written-out attention and drops the weights with it.
+    ``drop_weights`` (None) is what drops the attention weights while training on a CPU: None
+    leaves it to PyTorch's fused kernel, which draws the same masks as ``nn.MultiheadAttention``;
+    a function, as chapter 12's :func:`~transformer_tutorial.dropout.with_cheap_dropout` sets,
+    runs the written-out attention there and drops the weights with it. On a GPU the fused
+    kernel drops them either way.
     """
 
     def __init__(
@@ -212,7 +213,8 @@ class MultiHeadAttention(nn.Module):
         blocked = merge_masks(  # True = blocked, (B or 1, H or 1, L or 1, S)
             attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S, n_heads=self.n_heads
         )
-        own_dropout = dropout_p > 0.0 and self.drop_weights is not None
+        # Its own dropout on a CPU only: there PyTorch's kernel writes the weights out anyway.
+        own_dropout = dropout_p > 0.0 and self.drop_weights is not None and q.device.type == "cpu"
         if need_weights or own_dropout:  # 2) attend, written out
             mask = None if blocked is None else blocked.expand(B, -1, L, S)
             out, weights = scaled_dot_product_attention(

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from transformer_tutorial.checks import check_int
 
-STOP_REASONS = ("", "max_steps", "max_minutes", "interrupted")
+# Every reason the trainer stops for, least pressing first (agree_on_stop takes the maximum).
+STOP_REASONS = ("", "steps", "max_steps", "max_minutes", "interrupted")
 
 
 def is_distributed() -> bool:

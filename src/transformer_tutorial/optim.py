@@ -44,10 +44,11 @@ def warmup_linear_decay(step: int, *, warmup: int, total: int) -> float:
     ``warmup``, then down linearly, reaching 0 just after the last of ``total`` steps.
 
     ``step`` counts the optimizer steps already taken (0 for the first), as in
-    :func:`warmup_inverse_sqrt`. Decaying to zero at the end of the budget lets the last few
-    hundred steps settle into the minimum that the noisy updates at full rate only circle.
+    :func:`warmup_inverse_sqrt`; steps ``warmup − 1`` and ``warmup`` both take the peak. Decaying
+    to zero at the end of the budget lets the last few hundred steps settle into the minimum that
+    the noisy updates at full rate only circle. Past ``total`` it stays 0.
     """
-    return min((step + 1) / warmup, (total - step) / (total - warmup))
+    return max(0.0, min((step + 1) / warmup, (total - step) / (total - warmup)))
 
 
 def paper_peak_lr(d_model: int, warmup: int, factor: float = 1.0) -> float:
