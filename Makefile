@@ -88,6 +88,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 		$(BIN)/python -m pip install --quiet torch==2.13.0; fi
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet -e .
+	@# The requirements may replace TORCH (transformers 5 needs torch >= 2.6): say so, and stop.
+	@if [ -n "$(TORCH)" ]; then $(BIN)/python scripts/check_torch_version.py $(TORCH); fi
 	touch $@
 
 clean:
