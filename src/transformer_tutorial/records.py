@@ -310,9 +310,5 @@ def load_reference_bench() -> dict:
     """The results of ``make bench`` that the book quotes (the CPU the book was built on),
     shipped with the package as ``reference_bench.json``; the repository keeps the same file
     in ``bench/results/``, named by its device and PyTorch version."""
-    text = (
-        resources.files("transformer_tutorial")
-        .joinpath("reference_bench.json")
-        .read_text(encoding="utf-8")
-    )
-    return json.loads(text)
+    shipped = resources.files("transformer_tutorial").joinpath("reference_bench.json")
+    return json.loads(shipped.read_text(encoding="utf-8"))

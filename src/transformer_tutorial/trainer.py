@@ -305,6 +305,7 @@ class Trainer:
 
         self.model.train()
         progress = options.progress and self.rank == 0
+        # A resumed run may already be at a step limit; a time budget always gets one step.
         limited = options.max_steps is not None or self.config.steps is not None
         stopped_by = should_stop() if limited else ""
         with catch_stop_signals(self.stop_request):
