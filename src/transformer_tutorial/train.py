@@ -199,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "transformer_tutorial.train",
         *(sys.argv[1:] if argv is None else argv),
     ]
+    finished = False  # every rank waits for the others before leaving only after a clean run
     try:
         config, options, out_dir = _prepare(args)
         if args.threads:
@@ -207,10 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = distributed.setup(torch.device(options.device))
         options = replace(options, device=str(device))
         record = run_experiment(config, out_dir=out_dir, options=options, command=command)
+        finished = True
     except (UsageError, CheckpointError, DatasetUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except TrainingInterrupted as stop:
+        finished = True  # the ranks agreed to stop after the same step: all of them are here
         print(
             f"interrupted after step {stop.step}: {stop.checkpoint} holds it. Resume with: "
             f"python -m transformer_tutorial.train --config {args.config} "
@@ -225,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 130
     finally:
-        distributed.teardown()
+        distributed.teardown(finished=finished)
     if record is None:  # a rank other than 0: rank 0 reports
         return 0
     print(describe_run(record))  # the record in a few lines, as chapter 10 shows it
