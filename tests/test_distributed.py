@@ -81,13 +81,23 @@ def test_the_trainer_stops_only_for_reasons_the_ranks_can_agree_on():
     assert given and given <= set(distributed.STOP_REASONS), given - set(distributed.STOP_REASONS)
 
 
-@pytest.mark.parametrize("finished, calls", [(True, ["barrier", "destroy"]), (False, ["destroy"])])
-def test_teardown_waits_for_every_rank_only_after_a_clean_run(monkeypatch, finished, calls):
+@pytest.mark.parametrize(
+    "backend, finished, calls",
+    [
+        ("gloo", True, ["barrier", "destroy"]),
+        ("gloo", False, ["destroy"]),
+        ("nccl", True, ["destroy"]),
+    ],
+)
+def test_teardown_waits_for_every_gloo_rank_only_after_a_clean_run(
+    monkeypatch, backend, finished, calls
+):
     """A rank that exits right after its last collective can abort under gloo's worker threads
     (about 1 exit in 30 here), so a clean run waits for the others; after an error it must not,
-    for the others may never come."""
+    for the others may never come, nor under NCCL, whose watchdog ends a rank that waits long."""
     made = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda: backend)
     monkeypatch.setattr(dist, "barrier", lambda: made.append("barrier"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: made.append("destroy"))
     distributed.teardown(finished=finished)

@@ -72,16 +72,18 @@ def setup(device: torch.device) -> torch.device:
 def teardown(*, finished: bool = True) -> None:
     """Leave the process group, if this process joined one.
 
-    ``finished`` says this rank ended without an error. Then it first waits for every rank
-    (:func:`barrier`): gloo's worker threads release the tensors of the last collective just
-    after it returns, and if this process is already shutting Python down by then, the thread
-    cannot take the interpreter's lock and the process aborts ("terminate called without an
-    active exception", about 1 exit in 30 on a 2-core CPU). Waiting gives the threads that
-    moment. After an error it leaves at once: the other ranks may never arrive, and torchrun
-    stops them when this one exits.
+    ``finished`` says this rank ended without an error. Then, under gloo, it first waits for
+    every rank (:func:`barrier`): gloo's worker threads release the tensors of the last
+    collective just after it returns, and if this process is already shutting Python down by
+    then, the thread cannot take the interpreter's lock and the process aborts ("terminate
+    called without an active exception", about 1 exit in 30 on a 2-core CPU). Waiting gives the
+    threads that moment. NCCL has no such threads, and its watchdog would end a rank that waits
+    longer than its timeout while rank 0 scores the test set, so there it leaves at once. After
+    an error it leaves at once too: the other ranks may never arrive, and torchrun stops them
+    when this one exits.
     """
     if dist.is_available() and dist.is_initialized():
-        if finished:
+        if finished and dist.get_backend() == "gloo":
             dist.barrier()
         dist.destroy_process_group()
 
