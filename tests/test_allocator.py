@@ -37,7 +37,9 @@ def faults(mode: str) -> list[int]:
 @needs_glibc
 def test_large_tensors_stop_faulting_once_freed_memory_is_kept():
     default, keep = faults("default"), faults("keep")
-    assert all(n > default[0] // 2 > 0 for n in default)  # every round maps its tensor afresh
+    # Every round maps its tensor afresh (how many faults varies by round where transparent huge
+    # pages back some of them), and the kept memory's last rounds take a tenth of those at most.
+    assert all(n > 0 for n in default)
     assert sum(keep[-4:]) < sum(default[-4:]) // 10  # the last rounds reuse mapped pages
 
 
