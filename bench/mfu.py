@@ -10,6 +10,12 @@ time, as in any MFU. Two peaks divide the achieved FLOP/s:
 - **measured**, in the same run and with the same thread count: the best of ``--repeats``
   square matrix products (float32 on a CPU; on a GPU in the step's precision, bf16 by default);
 - **data sheet**, on a GPU named in :data:`DATASHEET_PEAKS` (or given by ``--peak-tflops``).
+
+The usual MFU (PaLM's) divides by the theoretical peak, as the data-sheet column does; the
+measured peak is what the machine reaches, lower than its theoretical one, so utilisation of it
+reads higher. And ``FlopCounterMode`` counts the products a step runs, padded positions
+included where the model computes them: hardware FLOPs of the step, not the model's FLOPs of
+its real tokens.
 """
 
 from __future__ import annotations

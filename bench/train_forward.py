@@ -4,7 +4,11 @@ the training step compiled; beside each training step, its model FLOPs utilisati
 Ours trains as the trainer does, with logits at the real target tokens only (what
 ``nn.Transformer`` cannot do) and, on a CPU where they pay, dropout masks drawn a quarter as
 often, the attention weights' included (:mod:`transformer_tutorial.dropout`); its FLOPs are
-counted on that step, so its MFU counts the work it does, not the padding it skips. On a CPU
+counted on that step, so its MFU counts the work it does: the output layer's skipped padding is
+not counted, the padded positions the encoder and decoder still compute are. Neither saving is
+out of ``nn.Transformer``'s reach (a wrapper could index the real tokens, and
+``with_cheap_dropout`` would swap its ``nn.Dropout`` modules) except the masks of its attention
+weights: the bench gives them to ours only because the trainer uses them. On a CPU
 both sides run with freed memory kept (:mod:`transformer_tutorial.allocator`), as the trainer
 does.
 """

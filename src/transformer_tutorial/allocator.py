@@ -14,6 +14,10 @@ blocks have merged into one the tensors fit, a step reuses pages already mapped.
 environment variables ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` do, applied from inside
 the process.
 
+It governs the main arena, the one the main thread allocates from; a thread of its own gets
+another arena, which still maps requests above its 64 MiB heap and can unmap whole heaps. The
+trainer's CPU steps, forward and backward, allocate on the main thread.
+
 The trainer and the benchmark call it on a CPU. It changes no number, only where the bytes
 live; the process keeps its high-water mark of memory instead of giving it back between steps.
 Where the C library is not glibc (macOS, Windows, musl) it does nothing and says so.

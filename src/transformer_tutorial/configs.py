@@ -162,9 +162,9 @@ CONFIGS = {
     # The CPU reference, an hour on 2 cores: the baseline's model (d_model 256, 3+3 layers) with
     # batches of 3,000 tokens and a 400-step warm-up. 3,600 steps fit an hour on 2 cores of the
     # build machine (the reference run: 57.0 min, 0.95 s a step with evaluation between epochs);
-    # the learning rate decays to zero at the last of them. That is 23 epochs of Multi30k: at
-    # dropout 0.1 the validation loss turned up after 15, so 0.2. The mean of the last 5
-    # checkpoints (200 steps apart) is scored, as in the paper.
+    # the learning rate decays to zero just after the last of them. That is 23 epochs of
+    # Multi30k: at dropout 0.1 the validation loss turned up after 15, so 0.2. The mean of the
+    # last 5 checkpoints (200 steps apart) is scored, as in the paper.
     "small": TrainConfig(
         "small",
         translator_config(dropout=0.2),

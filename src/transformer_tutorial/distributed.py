@@ -77,10 +77,10 @@ def teardown(*, finished: bool = True) -> None:
     collective just after it returns, and if this process is already shutting Python down by
     then, the thread cannot take the interpreter's lock and the process aborts ("terminate
     called without an active exception", about 1 exit in 30 on a 2-core CPU). Waiting gives the
-    threads that moment. NCCL has no such threads, and its watchdog would end a rank that waits
-    longer than its timeout while rank 0 scores the test set, so there it leaves at once. After
-    an error it leaves at once too: the other ranks may never arrive, and torchrun stops them
-    when this one exits.
+    threads that moment. Under NCCL it leaves at once: the race was seen with gloo's threads, and
+    NCCL's watchdog would end a rank kept waiting longer than its timeout while rank 0 scores
+    the test set. After an error it leaves at once too: the other ranks may never arrive, and
+    torchrun stops them when this one exits.
     """
     if dist.is_available() and dist.is_initialized():
         if finished and dist.get_backend() == "gloo":
@@ -92,7 +92,7 @@ def shard_batches(
     batches: Sequence[Sequence[int]], *, rank: int, world_size: int
 ) -> list[list[int]]:
     """Rank ``rank``'s batches: every ``world_size``-th one, starting at ``rank``, so that step
-    ``k`` of all ranks together trains on ``batches[k·N : (k+1)·N]``.
+    ``k`` of all ranks together trains on ``batches[k·N : (k+1)·N]`` of the list after any split.
 
     Every rank must take the same number of steps, so while the count does not divide by
     ``world_size`` the batch with the most pairs is split into two halves, which go last: every

@@ -88,7 +88,7 @@ def make_optimizer(
 ) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
     """Adam with the paper's β = (0.9, 0.98), ε = 1e-9, and a schedule peaking at ``lr`` after
     ``warmup`` steps: the paper's inverse square root, or with ``total_steps`` a linear decay to
-    zero at the last step (:func:`warmup_linear_decay`).
+    zero just after the last step (:func:`warmup_linear_decay`).
 
     ``fused``: one kernel updates every parameter (on the CPU too), several times faster than
     the default loop over parameters, which also reads each one's step count back as a number.
