@@ -62,8 +62,9 @@ class GroupedKVCache:
 
     ``GroupedKVCache()`` grows by concatenation at every step; :meth:`preallocate` allocates its
     buffers once and writes each step into them. ``seen`` counts every position the cache has
-    been given (the next position id); with a sliding window it holds fewer, only those a
-    later query can still see (:meth:`update`'s ``keep``).
+    been given (the next position id); with a sliding window a growing cache holds only those a
+    later query can still see (:meth:`update`'s ``keep``), a preallocated one at most its
+    capacity.
     """
 
     def __init__(self) -> None:

@@ -49,7 +49,8 @@ class LMConfig:
     projections biases (the norms keep theirs). ``tie_embeddings`` makes the output layer reuse
     the token embedding matrix; ``scale_embeddings`` multiplies embeddings by √D as the 2017
     paper does (GPT-2 does not). ``layer_norm_eps`` is every norm's epsilon (LayerNorm's or
-    RMSNorm's). ``rope_base`` is θ of rotary positions.
+    RMSNorm's). ``rope_base`` is the base of rotary positions' angles (``rope_theta`` in
+    ``transformers``).
 
     With ``attention="gqa"`` only: ``n_kv_heads`` key/value heads (None: ``n_heads``), a head
     width ``d_head`` of its own (None: ``d_model // n_heads``), ``qk_norm`` (Qwen3) and a
@@ -168,7 +169,8 @@ class LanguageModel(nn.Module):
         """GPT-2's initialisation: every matrix N(0, 0.02²), biases 0, norms' gains 1, and the
         two projections that write into the residual stream (attention's ``out_proj``, the
         feed-forward's ``linear2`` or ``down_proj``) N(0, (0.02 / √(2 · layers))²), so that
-        the stream's variance does not grow with depth. With ``scale_embeddings`` the table is
+        the variance all the residual branches add together does not grow with depth (the
+        stream still grows through the stack, as chapter 14 measures). With ``scale_embeddings`` the table is
         N(0, 1/D), as in chapter 9."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():

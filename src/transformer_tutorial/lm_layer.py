@@ -96,7 +96,8 @@ class DecoderOnlyLayer(nn.Module):
     ) -> tuple[Tensor, GroupedKVCache]:
         """Chapter 16's attention builds its own mask (causal or sliding-window, bottom-right),
         turns queries and keys by their positions (``position_ids``: default, those after the
-        cache's) and adds the new keys and values to a copy of ``past``, which stays as it was."""
+        cache's) and adds the new keys and values to a copy of ``past``, which stays as it was (a
+        growing cache, the kind ``LanguageModel`` makes: a preallocated one shares its buffers)."""
         cache = GroupedKVCache() if past is None else copy.copy(past)
         out = self.self_attn(
             x, position_ids=position_ids, key_padding_mask=padding_mask, cache=cache

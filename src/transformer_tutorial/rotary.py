@@ -58,7 +58,8 @@ class RotaryEmbedding(nn.Module):
     Args:
         head_dim: Dh, even: RoPE rotates the ``Dh/2`` pairs of each head.
         max_len: positions ``0 … max_len − 1`` are covered.
-        base: θ in the paper's notation (10000; Llama 3 uses 500000).
+        base: the base of the angles θ_i = base^(−2i/Dh), ``rope_theta`` in ``transformers``
+            (10000; Llama 3 uses 500000).
 
     Shapes:
         ``forward(x, position_ids)``: ``position_ids`` integer ``(B, L)`` or ``(L,)`` →
