@@ -170,8 +170,8 @@ class LanguageModel(nn.Module):
         two projections that write into the residual stream (attention's ``out_proj``, the
         feed-forward's ``linear2`` or ``down_proj``) N(0, (0.02 / √(2 · layers))²), so that
         the variance all the residual branches add together does not grow with depth (the
-        stream still grows through the stack, as chapter 14 measures). With ``scale_embeddings`` the table is
-        N(0, 1/D), as in chapter 9."""
+        stream still grows through the stack, as chapter 14 measures). With
+        ``scale_embeddings`` the table is N(0, 1/D), as in chapter 9."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
             if name.endswith(RESIDUAL_PROJECTIONS):
