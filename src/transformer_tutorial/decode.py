@@ -57,8 +57,10 @@ def greedy_decode(
 
     With ``use_cache`` each step feeds only the newest token through :meth:`decode_step` and
     reuses the keys and values of earlier positions; without it each step runs :meth:`decode`
-    over the whole prefix again. Both give the same tokens. ``<eos>`` cannot be chosen before
-    ``min_len`` tokens; ``min_len=max_len`` generates exactly ``max_len`` tokens (for timing).
+    over the whole prefix again. Both give the same tokens (unless two logits tie to within
+    rounding, where different kernels may break the tie differently). ``<eos>`` cannot be
+    chosen before ``min_len`` tokens; ``min_len=max_len`` generates exactly ``max_len`` tokens
+    (for timing).
 
     Shapes:
         src ``(B, S)`` → ``(B, L)``, ``L ≤ max_len``.
@@ -75,7 +77,7 @@ def greedy_decode(
             logits, cache = model.decode_step(ys[:, -1:], cache)  # (B, 1, V)
         else:
             # Nothing in a prefix is padding (finished rows are ignored), as in the cached path.
-            logits = model.decode(  # (B, t, V)
+            logits = model.decode(  # (B, t + 1, V)
                 ys,
                 memory,
                 memory_key_padding_mask=src_key_padding_mask,
