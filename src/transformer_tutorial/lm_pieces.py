@@ -37,6 +37,8 @@ ATTENTIONS = ("mha", "gqa")
 # Today's choices; the sizes are the caller's: LMConfig(vocab_size=V, d_model=..., **LLAMA).
 # Llama (Touvron et al. 2023): pre-norm RMSNorm, SwiGLU, rotary positions, grouped-query
 # attention (set n_kv_heads), no biases, an output layer of its own. Qwen3 adds QK-norm.
+# layer_norm_eps 1e-6 is Llama 1's and Qwen3's; Llama 2 and 3 use 1e-5 (a port passes its
+# checkpoint's rms_norm_eps, as hf_weights does).
 LLAMA = MappingProxyType(
     dict(
         norm_first=True,
