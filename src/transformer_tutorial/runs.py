@@ -51,7 +51,8 @@ from transformer_tutorial.trainer import evaluate_loss, fit
 # Chapter 10's own run, by device type: a number of steps, so that every machine of a kind trains
 # the same model and the page's numbers hold on it, with a time limit for slow ones. On a CPU 600
 # steps of `chapter10` (a minute or two on 2 cores); on a GPU the reference recipe `small` for
-# its own 3,600 steps (a few minutes on a recent GPU; the time limit cuts a slow one short).
+# its own 3,600 steps (minutes on a recent GPU, judged from an H200 run of an earlier recipe:
+# this one has not run on a GPU yet; the time limit cuts a slow one short).
 CHAPTER_STEPS = {"cuda": None, "cpu": 600}  # None: the recipe's own length
 CHAPTER_MINUTES = {"cuda": 10.0, "cpu": 10.0}
 
