@@ -19,9 +19,9 @@ from transformers import LlamaForCausalLM
 from bench.cli import Settings
 from bench.timing import interleaved
 from transformer_tutorial.hf_weights import copy_to_llama, llama_config
-from transformer_tutorial.language_model import LanguageModel, LMConfig, next_token_loss
+from transformer_tutorial.language_model import LanguageModel, next_token_loss
 from transformer_tutorial.lm_comparison import VOCAB_SIZE, comparison_config
-from transformer_tutorial.lm_pieces import LLAMA
+from transformer_tutorial.lm_config import LLAMA, LMConfig
 from transformer_tutorial.precision import autocast
 from transformer_tutorial.sampling import generate
 

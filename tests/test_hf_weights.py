@@ -21,8 +21,8 @@ from transformer_tutorial.hf_weights import (
     lm_config_from_llama,
     qwen3_config,
 )
-from transformer_tutorial.language_model import LanguageModel, LMConfig
-from transformer_tutorial.lm_pieces import LLAMA, QWEN3
+from transformer_tutorial.language_model import LanguageModel
+from transformer_tutorial.lm_config import LLAMA, QWEN3, LMConfig
 from transformer_tutorial.sampling import generate
 
 V, B, T = 50, 3, 16  # helpers.lm_config's vocabulary and positions

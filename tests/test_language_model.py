@@ -15,9 +15,10 @@ from helpers import raises
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding, TokenEmbedding
 from transformer_tutorial.feed_forward import SwiGLU
 from transformer_tutorial.grouped_attention import GroupedQueryAttention
-from transformer_tutorial.language_model import LanguageModel, LMConfig, next_token_loss
+from transformer_tutorial.language_model import LanguageModel, next_token_loss
 from transformer_tutorial.layers import FeedForward
-from transformer_tutorial.lm_pieces import LLAMA, QWEN3, PositionsInAttention
+from transformer_tutorial.lm_config import LLAMA, QWEN3, LMConfig
+from transformer_tutorial.lm_pieces import PositionsInAttention
 from transformer_tutorial.norms import RMSNorm
 
 B, T, V, D, H, D_FF = 3, 9, 23, 16, 4, 32

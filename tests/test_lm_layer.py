@@ -10,9 +10,8 @@ from torch import nn
 
 from helpers import to_device
 from transformer_tutorial.copy_weights import copy_encoder_layer
-from transformer_tutorial.language_model import LMConfig
+from transformer_tutorial.lm_config import LLAMA, LMConfig
 from transformer_tutorial.lm_layer import DecoderOnlyLayer
-from transformer_tutorial.lm_pieces import LLAMA
 from transformer_tutorial.masks import causal_mask
 
 B, T, D, H, D_FF = 3, 9, 16, 4, 32

@@ -13,11 +13,9 @@ from transformer_tutorial.attention import MultiHeadAttention
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
 from transformer_tutorial.feed_forward import SwiGLU
 from transformer_tutorial.grouped_attention import GroupedQueryAttention
-from transformer_tutorial.language_model import LMConfig
 from transformer_tutorial.layers import ACTIVATIONS, FeedForward, LayerNorm
+from transformer_tutorial.lm_config import LLAMA, QWEN3, LMConfig
 from transformer_tutorial.lm_pieces import (
-    LLAMA,
-    QWEN3,
     LearnedPositionalEmbedding,
     PositionsInAttention,
     make_attention,

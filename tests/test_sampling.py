@@ -14,7 +14,8 @@ from transformers.generation.logits_process import (
 )
 
 from helpers import raises
-from transformer_tutorial.language_model import LanguageModel, LMConfig
+from transformer_tutorial.language_model import LanguageModel
+from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.sampling import (
     apply_temperature,
     filter_logits,

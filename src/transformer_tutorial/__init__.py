@@ -17,8 +17,9 @@ bf16 or fp16 with loss scaling), ``distributed`` (many processes under ``torchru
 ``dropout`` (dropout masks from a quarter of the random draws, on a CPU), which the trainer uses.
 
 From 2017 to today (chapters 13–17), each modern change a small switchable piece:
-``language_model`` (the decoder alone, GPT), its layer ``lm_layer`` and ``lm_pieces`` (the
-factories that choose the pieces below), ``sampling`` (temperature, top-k, top-p, ``generate``),
+``lm_config`` (the config, its choices and presets, imported by the rest), ``language_model``
+(the decoder alone, GPT), its layer ``lm_layer`` and ``lm_pieces`` (the factories that choose
+the pieces below), ``sampling`` (temperature, top-k, top-p, ``generate``),
 ``gpt2_weights`` and ``hf_weights`` (weights to and from ``transformers``' GPT-2; Llama and
 Qwen3), ``norms`` (RMSNorm), ``feed_forward`` (SwiGLU), ``rotary`` (rotary position
 embeddings, three layouts), ``grouped_attention`` (grouped-query attention, QK-norm, sliding

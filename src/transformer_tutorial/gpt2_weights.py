@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from transformer_tutorial.language_model import LanguageModel, LMConfig
+from transformer_tutorial.language_model import LanguageModel
+from transformer_tutorial.lm_config import LMConfig
 
 # The fields of LMConfig a copy needs equal on both sides.
 MATCHING = (

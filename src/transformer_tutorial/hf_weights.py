@@ -2,7 +2,7 @@
 model, both directions (GPT-2's, chapter 13's, is :mod:`~transformer_tutorial.gpt2_weights`).
 
 Llama (``LlamaForCausalLM``) and Qwen3 (``Qwen3ForCausalLM``) are our model with the choices of
-:data:`~transformer_tutorial.lm_pieces.LLAMA` and :data:`~transformer_tutorial.lm_pieces.QWEN3`:
+:data:`~transformer_tutorial.lm_config.LLAMA` and :data:`~transformer_tutorial.lm_config.QWEN3`:
 their weights are ``nn.Linear``'s as ours, one matrix per projection, and their rotary layout is
 ours (half-split), so every pair is a rename: :data:`LLAMA_NAMES`. Qwen3 adds the per-head
 ``q_norm``/``k_norm`` weights, and its sliding window (all layers, ``max_window_layers=0``).
@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from transformer_tutorial.language_model import LanguageModel, LMConfig
-from transformer_tutorial.lm_pieces import LLAMA, QWEN3
+from transformer_tutorial.language_model import LanguageModel
+from transformer_tutorial.lm_config import LLAMA, QWEN3, LMConfig
 
 # Our names → theirs, per layer (``layers.i.`` → ``model.layers.i.``) and outside the layers.
 LLAMA_NAMES = {

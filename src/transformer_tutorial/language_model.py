@@ -8,7 +8,7 @@ one code path whose pieces are chosen by small factories from the config
 feed-forward layer (:func:`make_feed_forward`), the position scheme (:func:`make_positions`)
 and the attention head layout (:func:`make_attention`) — so that a later choice (RMSNorm,
 SwiGLU, rotary positions, grouped heads) is a new branch in one factory, not a new model. The
-defaults are GPT-2 small's; ``lm_pieces.LLAMA`` and ``lm_pieces.QWEN3`` hold today's choices.
+defaults are GPT-2 small's; ``lm_config.LLAMA`` and ``lm_config.QWEN3`` hold today's choices.
 
 Shapes: token ids ``(B, T)`` → logits ``(B, T, V)``. Padding goes at the end of a row: under the
 causal mask no real position sees it, and :func:`next_token_loss` ignores it. With rotary
@@ -24,105 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_tutorial.checks import (
-    check_bool,
-    check_choice,
-    check_int,
-    check_number,
-    check_optional_int,
-)
-from transformer_tutorial.feed_forward import FEED_FORWARDS
+from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.lm_layer import Cache, DecoderOnlyLayer
-from transformer_tutorial.lm_pieces import ATTENTIONS, POSITIONS, make_norm, make_positions
-from transformer_tutorial.norms import NORMS
-
-# The fields only chapter 16's attention has.
-GQA_FIELDS = {"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None}
-
-
-@dataclass(frozen=True)
-class LMConfig:
-    """Every hyperparameter of the language model. Defaults are GPT-2 small (124 M weights).
-
-    ``norm``, ``activation`` (``"swiglu"``: the gated layer), ``positions`` and ``attention``
-    name the pieces the factories build. ``bias`` gives the attention and feed-forward
-    projections biases (the norms keep theirs). ``tie_embeddings`` makes the output layer reuse
-    the token embedding matrix; ``scale_embeddings`` multiplies embeddings by √D as the 2017
-    paper does (GPT-2 does not). ``layer_norm_eps`` is every norm's epsilon (LayerNorm's or
-    RMSNorm's). ``rope_base`` is the base of rotary positions' angles (``rope_theta`` in
-    ``transformers``).
-
-    With ``attention="gqa"`` only: ``n_kv_heads`` key/value heads (None: ``n_heads``), a head
-    width ``d_head`` of its own (None: ``d_model // n_heads``), ``qk_norm`` (Qwen3) and a
-    sliding ``window`` (None: every earlier position). ``positions="rope"`` needs it too.
-    """
-
-    vocab_size: int
-    d_model: int = 768
-    n_heads: int = 12
-    n_layers: int = 12
-    d_ff: int = 3072
-    max_len: int = 1024
-    dropout: float = 0.1
-    norm_first: bool = True
-    norm: str = "layer"
-    layer_norm_eps: float = 1e-5
-    activation: str = "gelu_tanh"
-    positions: str = "learned"
-    attention: str = "mha"
-    bias: bool = True
-    tie_embeddings: bool = True
-    scale_embeddings: bool = False
-    rope_base: float = 10000.0
-    n_kv_heads: int | None = None
-    d_head: int | None = None
-    qk_norm: bool = False
-    window: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_len"):
-            check_int(name, getattr(self, name), at_least=1)
-        for name in ("n_kv_heads", "d_head", "window"):
-            check_optional_int(name, getattr(self, name), at_least=1)
-        check_number("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
-        check_number("layer_norm_eps", self.layer_norm_eps, low=0.0, low_open=True)
-        check_number("rope_base", self.rope_base, low=1.0, low_open=True)
-        check_choice("norm", self.norm, NORMS)
-        check_choice("activation", self.activation, FEED_FORWARDS)
-        check_choice("positions", self.positions, POSITIONS)
-        check_choice("attention", self.attention, ATTENTIONS)
-        for name in ("norm_first", "bias", "tie_embeddings", "scale_embeddings", "qk_norm"):
-            check_bool(name, getattr(self, name))
-        self._check_heads()
-
-    def _check_heads(self) -> None:
-        if self.attention == "mha":
-            chosen = [
-                f"{k}={getattr(self, k)!r}" for k, v in GQA_FIELDS.items() if getattr(self, k) != v
-            ]
-            if self.positions == "rope":
-                chosen.append("positions='rope'")
-            if chosen:
-                raise ValueError(
-                    f"{', '.join(chosen)}: chapter 16's attention only; set attention='gqa'"
-                )
-        if self.d_head is None and self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}: each "
-                "key/value head serves n_heads // n_kv_heads query heads"
-            )
-        if self.positions == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"d_model={self.d_model} must be even for sinusoidal positions")
-        if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(f"the head width {self.head_dim} must be even for rotary positions")
-
-    @property
-    def head_dim(self) -> int:
-        """Dh: ``d_head``, or ``d_model // n_heads``."""
-        return self.d_model // self.n_heads if self.d_head is None else self.d_head
-
+from transformer_tutorial.lm_pieces import make_norm, make_positions
 
 # The projections that write into the residual stream, initialised smaller.
 RESIDUAL_PROJECTIONS = ("self_attn.out_proj.weight", "ff.linear2.weight", "ff.down_proj.weight")

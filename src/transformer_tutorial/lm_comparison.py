@@ -37,8 +37,8 @@ from transformer_tutorial.checks import (
     int_arg,
     number_arg,
 )
-from transformer_tutorial.language_model import LanguageModel, LMConfig, next_token_loss
-from transformer_tutorial.lm_pieces import LLAMA
+from transformer_tutorial.language_model import LanguageModel, next_token_loss
+from transformer_tutorial.lm_config import LLAMA, LMConfig
 from transformer_tutorial.multi30k import load_split
 from transformer_tutorial.provenance import cpu_name, git_commit
 from transformer_tutorial.sampling import generate

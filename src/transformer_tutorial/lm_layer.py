@@ -3,7 +3,7 @@ grouped-query attention and rotary positions.
 
 Chapter 8's decoder layer without cross-attention, built from the pieces that
 :mod:`~transformer_tutorial.lm_pieces` chooses from a
-:class:`~transformer_tutorial.language_model.LMConfig`. Its body follows
+:class:`~transformer_tutorial.lm_config.LMConfig`. Its body follows
 ``torch.nn.TransformerEncoderLayer``: named sub-blocks ``_sa_block``, ``_ff_block`` under one
 ``if self.norm_first:``.
 
@@ -13,17 +13,14 @@ Shapes: ``x`` ``(B, T_new, D)``; one layer's cached keys and values ``(B, Hkv, S
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
 from transformer_tutorial.attention import KVCache
 from transformer_tutorial.grouped_attention import GroupedKVCache, GroupedQueryAttention
+from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.lm_pieces import make_attention, make_feed_forward, make_norm
 from transformer_tutorial.masks import causal_mask
-
-if TYPE_CHECKING:
-    from transformer_tutorial.language_model import LMConfig
 
 # One layer's keys and values so far: chapter 11's for "mha", chapter 16's for "gqa".
 Cache = KVCache | GroupedKVCache

@@ -1,6 +1,6 @@
 """Chapters 13-17: the pieces a language model is built from, each chosen by name.
 
-One factory per switchable piece reads :class:`~transformer_tutorial.language_model.LMConfig`
+One factory per switchable piece reads :class:`~transformer_tutorial.lm_config.LMConfig`
 and builds it: the norm (:func:`make_norm`), the feed-forward layer (:func:`make_feed_forward`),
 what adds positions to the embeddings (:func:`make_positions`) and the self-attention's head
 layout (:func:`make_attention`). GPT-2's choices and the 2017 paper's are chapter 13's; RMSNorm
@@ -12,9 +12,6 @@ Shapes: embeddings ``(B, T, D)``; queries ``(B, H, T, Dh)``, keys and values ``(
 
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 
@@ -23,36 +20,9 @@ from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
 from transformer_tutorial.feed_forward import SwiGLU, build_feed_forward
 from transformer_tutorial.grouped_attention import GroupedQueryAttention
 from transformer_tutorial.layers import FeedForward
+from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.norms import build_norm
 from transformer_tutorial.rotary import RotaryPositions
-
-if TYPE_CHECKING:
-    from transformer_tutorial.language_model import LMConfig
-
-# The choices of the two factories of this module's own; the norms' are norms.NORMS, the
-# feed-forwards' feed_forward.FEED_FORWARDS.
-POSITIONS = ("learned", "sinusoidal", "rope")
-ATTENTIONS = ("mha", "gqa")
-
-# Today's choices; the sizes are the caller's: LMConfig(vocab_size=V, d_model=..., **LLAMA).
-# Llama (Touvron et al. 2023): pre-norm RMSNorm, SwiGLU, rotary positions, grouped-query
-# attention (set n_kv_heads), no biases, an output layer of its own. Qwen3 adds QK-norm.
-# layer_norm_eps 1e-6 is Llama 1's and Qwen3's; Llama 2 and 3 use 1e-5 (a port passes its
-# checkpoint's rms_norm_eps, as hf_weights does).
-LLAMA = MappingProxyType(
-    dict(
-        norm_first=True,
-        norm="rms",
-        layer_norm_eps=1e-6,
-        activation="swiglu",
-        positions="rope",
-        attention="gqa",
-        bias=False,
-        tie_embeddings=False,
-        scale_embeddings=False,
-    )
-)
-QWEN3 = MappingProxyType({**LLAMA, "qk_norm": True})
 
 
 def make_norm(config: LMConfig) -> nn.Module:
