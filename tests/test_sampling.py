@@ -217,3 +217,38 @@ def test_bad_settings_are_refused(settings, error, phrase):
 )
 def test_bad_inputs_are_refused(call, error, phrase):
     raises(lambda: call(tiny_lm()), error, phrase)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_top_p_equals_the_warper_at_a_real_vocabulary(seed):
+    """At GPT-2's 50,257 tokens a float32 running sum from the top reaches 1 (or p) early and
+    drops tokens: at p = 1 thousands, at p = 0.9 one a row. The filter keeps exactly the
+    warper's tokens, and p = 1 is the identity."""
+    logits = 3 * torch.randn(8, 50_257, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+    for p in (0.5, 0.9, 0.99, 0.999):
+        expected = TopPLogitsWarper(top_p=p)(None, logits.clone())
+        assert torch.equal(top_p_filter(logits, p).isfinite(), expected.isfinite())
+
+
+def test_top_p_at_a_real_vocabulary_with_ties():
+    """Logits on a grid of 0.5 tie thousands of tokens. The warper breaks ties by its sort's
+    order, ours by the lower id: both keep as many tokens, of the same probabilities; where the
+    cut falls between two values they keep the same tokens."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(8, 50_257, generator=g) * 6).round() / 2
+    for p in (0.3, 0.9, 0.99):
+        expected = TopPLogitsWarper(top_p=p)(None, logits.clone()).isfinite()
+        got = top_p_filter(logits, p).isfinite()
+        assert torch.equal(got.sum(-1), expected.sum(-1))
+        for row in range(len(logits)):
+            ours, theirs = logits[row][got[row]], logits[row][expected[row]]
+            assert torch.equal(ours.sort().values, theirs.sort().values)
+            least = ours.min()
+            if not (logits[row][~got[row]] == least).any():  # no tie group split by the cut
+                assert torch.equal(got[row], expected[row])
+        kept = got[0].nonzero().squeeze(-1)
+        least_ids = kept[logits[0, kept] == logits[0, kept].min()]
+        dropped_ties = ((logits[0] == logits[0, kept].min()) & ~got[0]).nonzero()
+        if len(dropped_ties):  # the cut split a tie group: the lower ids were kept
+            assert least_ids.max() < dropped_ties.min()

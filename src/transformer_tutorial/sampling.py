@@ -35,18 +35,25 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
 
 def top_p_filter(logits: Tensor, p: float) -> Tensor:
     """Nucleus filtering: keep the smallest set of most likely tokens whose probability
-    reaches ``p``, ``-inf`` the rest.
+    reaches ``p``, ``-inf`` the rest; ``p = 1`` keeps every token.
 
     Sorted by probability, a token is kept when the tokens before it hold less than ``p``: the
     first token is always kept, and the set stops at the token that makes the sum reach ``p``.
     Among tokens of equal probability the lower id comes first.
 
+    The mass before a token is summed in float64 (float32 where the device has none): a float32
+    running sum over 50,000 probabilities drifts by about 1e-4 and reaches ``p`` early, which
+    drops tokens the set needs (at ``p = 1`` thousands of them).
+
     Shapes:
         ``(..., V)`` → ``(..., V)``.
     """
     check_number("top_p", p, low=0.0, high=1.0, low_open=True)
+    if p == 1.0:
+        return logits
+    wide = torch.float32 if logits.device.type == "mps" else torch.float64
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    probs = torch.softmax(sorted_logits.float(), dim=-1)
+    probs = torch.softmax(sorted_logits.to(wide), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # (..., V) the mass of the tokens ranked above
     drop_sorted = before >= p
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
