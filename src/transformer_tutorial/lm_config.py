@@ -114,12 +114,11 @@ class LMConfig:
         return self.d_model // self.n_heads if self.d_head is None else self.d_head
 
 
-POSITIONS = ("learned", "sinusoidal", "rope")
-ATTENTIONS = ("mha", "gqa")
-
 # Today's choices; the sizes are the caller's: LMConfig(vocab_size=V, d_model=..., **LLAMA).
-# Llama (Touvron et al. 2023): pre-norm RMSNorm, SwiGLU, rotary positions, grouped-query
-# attention (set n_kv_heads), no biases, an output layer of its own. Qwen3 adds QK-norm.
+# Llama (Touvron et al. 2023): pre-norm RMSNorm, SwiGLU, rotary positions, no biases, an output
+# layer of its own; chapter 16's attention, so that n_kv_heads can be set: LLaMA 1 and Llama 2's
+# 7B and 13B keep a key/value head per query head (None), Llama 2 70B and Llama 3 share 8.
+# Qwen3 adds QK-norm.
 # layer_norm_eps 1e-6 is Llama 1's and Qwen3's; Llama 2 and 3 use 1e-5 (a port passes its
 # checkpoint's rms_norm_eps, as hf_weights does).
 LLAMA = MappingProxyType(
