@@ -152,6 +152,33 @@ def test_a_left_padded_batch_decodes_as_their_generate_with_an_attention_mask(ki
     assert torch.equal(expected[2, 4:], alone[0])
 
 
+@pytest.mark.parametrize("kind", HF)
+def test_a_head_width_of_its_own_gives_their_logits_and_tokens(kind):
+    """Heads × head width ≠ D, as in Qwen3-0.6B (16 × 128 = 2048 for D = 1024): here 4 × 16 =
+    64 for D = 32, so q_proj and o_proj are not square. Both directions, and generate()."""
+    config = modern(kind, d_head=16)
+    ref = theirs(kind, config, seed=6)
+    ours = LanguageModel(config).eval()
+    HF[kind][3](ours, ref)
+    assert ours.layers[0].self_attn.q_proj.weight.shape == (4 * 16, 32)
+    x = ids(6)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x).logits, atol=MODERN_ATOL, rtol=RTOL)
+        mine, fresh = randomized(LanguageModel(config), 7), theirs(kind, config)
+        HF[kind][4](mine, fresh)
+        torch.testing.assert_close(fresh(x).logits, mine(x), atol=MODERN_ATOL, rtol=RTOL)
+    prompt = x[:, :3]
+    expected = ref.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=T - 3,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    assert torch.equal(generate(ours, prompt, T - 3, greedy=True), expected)
+
+
 def test_llama_and_qwen3_configs_map_both_ways():
     for ours in (modern("llama"), modern("llama", bias=True, tie_embeddings=True, d_head=6)):
         assert lm_config_from_llama(llama_config(ours)) == ours
