@@ -287,22 +287,43 @@ def test_a_left_padded_row_with_a_cache_decodes_like_the_row_alone(window):
     torch.testing.assert_close(naive[:, 2:], alone, **TOL)
 
 
+@pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_kv_heads", LAYOUTS)
-def test_kv_cache_bytes_is_what_the_caches_hold(n_kv_heads, dtype):
-    n_layers, B, L = 3, 2, 11
-    layers = [GroupedQueryAttention(D, H, n_kv_heads).to(dtype).eval() for _ in range(n_layers)]
+def test_kv_cache_bytes_is_the_storage_the_caches_keep(n_kv_heads, dtype, window):
+    """Measured as storage, not as the views' sizes, after a prompt longer than the window (a
+    slice of the prompt's keys would keep all of them allocated) and after each later step."""
+    n_layers, B, L, prompt = 3, 2, 11, 7
+    layers = [
+        GroupedQueryAttention(D, H, n_kv_heads, window=window).to(dtype).eval()
+        for _ in range(n_layers)
+    ]
     caches = [GroupedKVCache() for _ in layers]
     x = torch.randn(B, L, D, dtype=dtype)
+    shape = dict(n_layers=n_layers, batch_size=B, n_kv_heads=n_kv_heads, d_head=DH, dtype=dtype)
     with torch.no_grad():
-        for t in range(L):
-            h = x[:, t : t + 1]
+        for start, n in ((0, prompt), *((t, 1) for t in range(prompt, L))):
+            h = x[:, start : start + n]
             for layer, cache in zip(layers, caches, strict=True):
                 h = layer(h, cache=cache)
-    shape = dict(n_layers=n_layers, batch_size=B, n_kv_heads=n_kv_heads, d_head=DH, dtype=dtype)
-    assert sum(c.nbytes for c in caches) == kv_cache_bytes(length=L, **shape)
+            seen = start + n
+            held = seen if window is None else min(seen, window - 1)
+            expected = kv_cache_bytes(length=held, **shape)
+            storage = sum(t.untyped_storage().nbytes() for c in caches for t in (c.k, c.v))
+            assert storage == expected
+            assert sum(c.nbytes for c in caches) == expected
     preallocated = GroupedKVCache.preallocate(B, n_kv_heads, 64, DH, dtype=dtype)
     assert preallocated.nbytes * n_layers == kv_cache_bytes(length=64, **shape)
+
+
+def test_the_cache_keeps_no_larger_tensor_alive_for_a_view_it_is_given():
+    """Keys handed in as a slice of a larger tensor (a fused QKV projection, say) are copied."""
+    fused = torch.randn(1, 2, 5, 3 * DH)
+    cache = GroupedKVCache()
+    cache.update(fused[..., DH : 2 * DH], fused[..., 2 * DH :])
+    storage = cache.k.untyped_storage().nbytes() + cache.v.untyped_storage().nbytes()
+    assert storage == cache.nbytes == 2 * fused[..., :DH].numel() * fused.element_size()
+    torch.testing.assert_close(cache.k, fused[..., DH : 2 * DH], rtol=0, atol=0)
 
 
 def test_kv_cache_bytes_of_llama_3_8b():

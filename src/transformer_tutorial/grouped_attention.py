@@ -57,6 +57,12 @@ def kv_cache_bytes(
     return 2 * n_layers * batch_size * length * n_kv_heads * d_head * dtype.itemsize
 
 
+def _own(x: Tensor) -> Tensor:
+    """``x`` in a storage of its own: a slice of a larger tensor (the positions a window keeps)
+    would keep all of that tensor allocated."""
+    return x if x.untyped_storage().nbytes() == x.nbytes else x.clone()
+
+
 class GroupedKVCache:
     """One layer's keys and values of the positions decoded so far, ``(B, Hkv, S, Dh)`` each.
 
@@ -99,15 +105,19 @@ class GroupedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the cache's tensors take now (a preallocated cache: all of its buffers)."""
-        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+        """Bytes the cache keeps allocated: the storage under its tensors, not their views' sizes
+        (a preallocated cache: all of its buffers)."""
+        if self.k is None:
+            return 0
+        return self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes()
 
     def update(self, k: Tensor, v: Tensor, *, keep: int | None = None) -> tuple[Tensor, Tensor]:
         """Add the new positions' keys and values ``(B, Hkv, L, Dh)``; return every held
         position's, new ones last, ``(B, Hkv, S, Dh)``.
 
         ``keep``: a later query needs only this many past positions (``window - 1``): the
-        growing cache then drops older ones, and a preallocated one, when full, moves the last
+        growing cache then drops older ones (copying the kept ones into tensors of their own, so
+        that the dropped ones are freed), and a preallocated one, when full, moves the last
         ``keep`` to the front of its buffers instead of failing.
         """
         check_optional_int("keep", keep, at_least=0)
@@ -116,7 +126,7 @@ class GroupedKVCache:
             k_all = k if self.k is None else torch.cat([self.k, k], dim=2)
             v_all = v if self.v is None else torch.cat([self.v, v], dim=2)
             start = 0 if keep is None else max(0, k_all.size(2) - keep)
-            self.k, self.v = k_all[:, :, start:], v_all[:, :, start:]
+            self.k, self.v = _own(k_all[:, :, start:]), _own(v_all[:, :, start:])
             self.seen, self.held = self.seen + n, self.k.size(2)
             return k_all, v_all
         capacity = self.k.size(2)
