@@ -209,6 +209,37 @@ def test_converted_weights_give_the_same_scores(source: str, target: str):
     )
 
 
+@pytest.mark.parametrize(("source", "target"), list(itertools.permutations(LAYOUTS, 2)))
+def test_qk_norm_gains_move_by_the_rows_permutation_without_its_sign(source: str, target: str):
+    """Qwen3's QK-norm (one gain per head coordinate, before the rotation): converted q/k rows
+    need the gains permuted by the same index and never negated (a sign passes through RMSNorm).
+    Left in place, or negated with the rows, the scores change."""
+    gen = torch.Generator().manual_seed(4)
+    w_q, w_k = torch.randn(2, H * DH, 24, generator=gen, dtype=torch.float64)
+    g_q, g_k = torch.rand(2, DH, generator=gen, dtype=torch.float64) + 0.5  # trained gains
+    x = torch.randn(B, L, 24, generator=gen, dtype=torch.float64)
+    positions = torch.randint(0, 512, (B, L), generator=gen)
+    cos, sin = (t.double() for t in RotaryEmbedding(DH, max_len=512)(x, positions))
+
+    def scores(w_q, w_k, g_q, g_k, layout):
+        q = (x @ w_q.T).view(B, L, H, DH).transpose(1, 2)  # (B, H, L, Dh)
+        k = (x @ w_k.T).view(B, L, H, DH).transpose(1, 2)
+        q, k = F.rms_norm(q, (DH,), g_q, 1e-6), F.rms_norm(k, (DH,), g_k, 1e-6)
+        q, k = apply_rotary(q, k, cos, sin, layout=layout)
+        return q @ k.transpose(-2, -1)
+
+    before = scores(w_q, w_k, g_q, g_k, source)
+    rows = [convert_qk_weight(w, H, source=source, target=target) for w in (w_q, w_k)]
+    index, sign = qk_row_permutation(DH, source=source, target=target)
+    moved = scores(*rows, g_q[index], g_k[index], target)
+    torch.testing.assert_close(moved, before, rtol=0, atol=1e-10)
+    if not torch.equal(index, torch.arange(DH)):
+        assert (scores(*rows, g_q, g_k, target) - before).abs().max() > 1.0
+    if (sign < 0).any():
+        signed = scores(*rows, g_q[index] * sign, g_k[index] * sign, target)
+        assert (signed - before).abs().max() > 1.0
+
+
 def _meta_style_attention(x: Tensor, w: dict[str, Tensor], cos: Tensor, sin: Tensor) -> Tensor:
     """Causal grouped-query attention in Meta's layout: interleaved RoPE, written out."""
     q = (x @ w["q"].T).view(B, L, H, DH).transpose(1, 2)  # (B, H, L, Dh)

@@ -212,7 +212,9 @@ def convert_qk_weight(weight: Tensor, n_heads: int, *, source: str, target: str)
 
     The rows of each head are permuted (and, to or from ``"half_split_negative"``, half of them
     negated): the model computes the same attention scores. ``interleaved → half_split`` is the
-    permutation ``transformers``' Llama conversion script applies to Meta's checkpoints.
+    permutation ``transformers``' Llama conversion script applies to Meta's checkpoints. A
+    QK-norm's gains (``q_norm.weight``, ``(Dh,)``) must move by the same permutation, without
+    the sign: ``weight[index]`` with ``index`` from :func:`qk_row_permutation`.
 
     Args:
         weight: ``(n_heads · Dh, ...)``: ``q_proj.weight`` ``(H · Dh, D)``, a bias ``(H · Dh,)``.
