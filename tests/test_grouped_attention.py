@@ -30,12 +30,12 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 LAYOUTS = [4, 2, 1]  # n_kv_heads: multi-head, grouped, multi-query
 
 
-def _qwen3_config(n_kv_heads: int, window: int | None) -> Qwen3Config:
+def _qwen3_config(n_kv_heads: int, window: int | None, head_dim: int = DH) -> Qwen3Config:
     config = Qwen3Config(
         hidden_size=D,
         num_attention_heads=H,
         num_key_value_heads=n_kv_heads,
-        head_dim=DH,
+        head_dim=head_dim,
         num_hidden_layers=1,
         rms_norm_eps=1e-6,
         attention_bias=False,
@@ -58,9 +58,9 @@ def _rotary_hook(config: Qwen3Config):
     return hook
 
 
-def _book_rotary_hook():
+def _book_rotary_hook(head_dim: int = DH):
     """Chapter 15's rotary embedding (the package's ``rotary``) as a position hook."""
-    rotary = RotaryEmbedding(DH, max_len=64)
+    rotary = RotaryEmbedding(head_dim, max_len=64)
 
     def hook(q, k, position_ids):
         cos, sin = rotary(q, position_ids)
@@ -70,14 +70,60 @@ def _book_rotary_hook():
 
 
 def _ours(
-    n_kv_heads: int, window: int | None = None, *, book_rotary: bool = False, **kwargs
+    n_kv_heads: int,
+    window: int | None = None,
+    *,
+    book_rotary: bool = False,
+    d_head: int = DH,
+    **kwargs,
 ) -> GroupedQueryAttention:
     torch.manual_seed(0)
-    config = _qwen3_config(n_kv_heads, window)
-    positions = _book_rotary_hook() if book_rotary else _rotary_hook(config)
+    config = _qwen3_config(n_kv_heads, window, d_head)
+    positions = _book_rotary_hook(d_head) if book_rotary else _rotary_hook(config)
     return GroupedQueryAttention(
-        D, H, n_kv_heads, window=window, positions=positions, **kwargs
+        D, H, n_kv_heads, d_head=d_head, window=window, positions=positions, **kwargs
     ).eval()
+
+
+def _qwen3_pair(n_kv_heads: int, window: int | None, d_head: int = DH, *, book_rotary=False):
+    """Qwen3Attention (QK-norm weights drawn away from 1: the norms' order then matters) and
+    our module with its weights."""
+    config = _qwen3_config(n_kv_heads, window, d_head)
+    theirs = modeling_qwen3.Qwen3Attention(config, layer_idx=0).eval()
+    with torch.no_grad():
+        theirs.q_norm.weight.uniform_(0.5, 1.5)
+        theirs.k_norm.weight.uniform_(0.5, 1.5)
+    ours = _ours(
+        n_kv_heads,
+        window,
+        book_rotary=book_rotary,
+        d_head=d_head,
+        qk_norm=True,
+        norm_eps=config.rms_norm_eps,
+    )
+    ours.load_state_dict(
+        {n.replace("o_proj", "out_proj"): w for n, w in theirs.state_dict().items()}
+    )
+    return config, theirs, ours
+
+
+def _qwen3_output(config, theirs, x, position_ids, pad=None):
+    """Qwen3Attention under the mask Qwen3Model gives its layers: built by transformers from
+    the config (``sliding_window`` read there, not in the attention) and the padding."""
+    create = (
+        masking_utils.create_causal_mask
+        if config.sliding_window is None
+        else masking_utils.create_sliding_window_causal_mask
+    )
+    mask = create(
+        config=config,
+        inputs_embeds=x,
+        attention_mask=None if pad is None else (~pad).long(),
+        cache=None,
+        position_ids=position_ids,
+    )
+    rotary = modeling_qwen3.Qwen3RotaryEmbedding(config)
+    return theirs(x, rotary(x, position_ids), mask)[0]
 
 
 @pytest.mark.parametrize("n_rep", [1, 2, 4])
@@ -89,24 +135,27 @@ def test_repeat_kv_equals_transformers_and_repeat_interleave(n_rep):
     assert torch.equal(out, torch.repeat_interleave(x, n_rep, dim=1))
 
 
+@pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("n_kv_heads", LAYOUTS)
-def test_grouped_attention_equals_sdpa_with_enable_gqa(n_kv_heads):
-    """The module's output equals F.scaled_dot_product_attention(..., enable_gqa=True) on its
-    own projections, and the same on K/V heads repeated by repeat_kv."""
-    ours = GroupedQueryAttention(D, H, n_kv_heads).eval()
+def test_grouped_attention_equals_attention_written_out_on_repeated_heads(n_kv_heads, window):
+    """Independent of F.scaled_dot_product_attention: each key/value head repeated for its
+    group (repeat_interleave), scores masked by index arithmetic, an explicit softmax."""
+    ours = GroupedQueryAttention(D, H, n_kv_heads, window=window).eval()
     B, L = 2, 7
     x = torch.randn(B, L, D)
-    q = ours.q_proj(x).view(B, L, H, DH).transpose(1, 2)
-    k = ours.k_proj(x).view(B, L, n_kv_heads, DH).transpose(1, 2)
-    v = ours.v_proj(x).view(B, L, n_kv_heads, DH).transpose(1, 2)
-    gqa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     n_rep = H // n_kv_heads
-    repeated = F.scaled_dot_product_attention(
-        q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True
-    )
-    torch.testing.assert_close(gqa, repeated, **TOL)
-    expected = ours.out_proj(gqa.transpose(1, 2).reshape(B, L, D))
-    torch.testing.assert_close(ours(x), expected, **TOL)
+    with torch.no_grad():
+        q = ours.q_proj(x).view(B, L, H, DH).transpose(1, 2)  # (B, H, L, Dh)
+        k, v = (
+            proj(x).view(B, L, n_kv_heads, DH).transpose(1, 2).repeat_interleave(n_rep, dim=1)
+            for proj in (ours.k_proj, ours.v_proj)
+        )  # (B, H, L, Dh) each
+        scores = q @ k.transpose(-2, -1) / DH**0.5
+        i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+        blocked = (j > i) | (j <= i - (window or L + 1))
+        weights = torch.softmax(scores.masked_fill(blocked, float("-inf")), dim=-1)
+        expected = ours.out_proj((weights @ v).transpose(1, 2).reshape(B, L, D))
+        torch.testing.assert_close(ours(x), expected, **TOL)
 
 
 @pytest.mark.parametrize("n_kv_heads", LAYOUTS)
@@ -134,35 +183,34 @@ def test_grouped_attention_equals_multi_head_attention_on_repeated_kv_weights(n_
 @pytest.mark.parametrize("n_kv_heads", LAYOUTS)
 def test_qk_norm_attention_equals_qwen3_attention(n_kv_heads, window, book_rotary):
     """Qwen3Attention (RMS QK-norm with learned weights before rotary, grouped heads, eager
-    attention under transformers' own sliding-window mask) with our weights copied in; our
-    position hook is transformers' rotary embedding or the package's (chapter 15)."""
-    config = _qwen3_config(n_kv_heads, window)
-    theirs = modeling_qwen3.Qwen3Attention(config, layer_idx=0).eval()
-    with torch.no_grad():  # weights that are not all one: the norms' order then matters
-        theirs.q_norm.weight.uniform_(0.5, 1.5)
-        theirs.k_norm.weight.uniform_(0.5, 1.5)
-    ours = _ours(
-        n_kv_heads, window, book_rotary=book_rotary, qk_norm=True, norm_eps=config.rms_norm_eps
-    )
-    state = {name.replace("o_proj", "out_proj"): w for name, w in theirs.state_dict().items()}
-    ours.load_state_dict(state)
+    attention under the mask transformers builds from the config) with our weights copied in;
+    our position hook is transformers' rotary embedding or the package's (chapter 15)."""
+    config, theirs, ours = _qwen3_pair(n_kv_heads, window, book_rotary=book_rotary)
     B, L = 2, 10
     x = torch.randn(B, L, D)
     position_ids = torch.arange(L).expand(B, L)
-    mask_function = (
-        masking_utils.causal_mask_function
-        if window is None
-        else masking_utils.sliding_window_causal_mask_function(window)
-    )
-    allowed = masking_utils.sdpa_mask(
-        batch_size=B, q_length=L, kv_length=L, mask_function=mask_function,
-        allow_is_causal_skip=False,
-    )  # fmt: skip
-    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    rotary = modeling_qwen3.Qwen3RotaryEmbedding(config)
     with torch.no_grad():
-        expected, _ = theirs(x, rotary(x, position_ids), additive)
-        torch.testing.assert_close(ours(x), expected, **TOL)
+        torch.testing.assert_close(ours(x), _qwen3_output(config, theirs, x, position_ids), **TOL)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("n_kv_heads", LAYOUTS)
+def test_wide_heads_and_left_padding_equal_qwen3_attention(n_kv_heads, window):
+    """Heads of width 16, H · Dh = 64 ≠ D = 32 (Qwen3 0.6B, 4B and 32B choose head_dim apart
+    from D), and a row left-padded by 3 under a window of 3: its positions skip the padding,
+    transformers builds the mask from its attention mask, and the real positions agree."""
+    config, theirs, ours = _qwen3_pair(n_kv_heads, window, d_head=16)
+    assert ours.q_proj.weight.shape == (H * 16, D) and H * 16 != D
+    B, L = 2, 10
+    x = torch.randn(B, L, D)
+    pad = torch.zeros(B, L, dtype=torch.bool)
+    pad[0, :3] = True
+    position_ids = (torch.cumsum(~pad, dim=1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = ours(x, position_ids=position_ids, key_padding_mask=pad)
+        expected = _qwen3_output(config, theirs, x, position_ids, pad)
+    torch.testing.assert_close(out[~pad], expected[~pad], **TOL)
+    assert torch.isfinite(out).all()
 
 
 def test_qk_norm_before_the_positions_is_not_after_unless_the_weight_is_constant():
@@ -194,19 +242,23 @@ def _decode(ours: GroupedQueryAttention, x: torch.Tensor, cache: GroupedKVCache,
     return torch.cat(out, dim=1)
 
 
+@pytest.mark.parametrize("d_head", [DH, 16])
 @pytest.mark.parametrize("preallocate", [False, True])
 @pytest.mark.parametrize("window", [None, 1, 3])
 @pytest.mark.parametrize("n_kv_heads", LAYOUTS)
-def test_cached_decoding_past_the_window_equals_recomputing(n_kv_heads, window, preallocate):
-    """A prompt of 4, then one token at a time and a chunk of 3 — 14 positions, past the window
-    — with rotary positions and QK-norm, equals one call on the whole sequence."""
-    ours = _ours(n_kv_heads, window, qk_norm=True)
+def test_cached_decoding_past_the_window_equals_recomputing(
+    n_kv_heads, window, preallocate, d_head
+):
+    """A prompt of 4 (longer than a window of 3 or 1), then one token at a time and a chunk of
+    3 — 14 positions, past the window — with rotary positions and QK-norm, equals one call on
+    the whole sequence; also with heads of 16, H · Dh ≠ D."""
+    ours = _ours(n_kv_heads, window, d_head=d_head, qk_norm=True)
     B, L = 2, 14
     x = torch.randn(B, L, D)
     chunks = [4, 1, 1, 3, 1, 1, 1, 1, 1]
     capacity = L if window is None else window - 1 + max(chunks)
     cache = (
-        GroupedKVCache.preallocate(B, n_kv_heads, capacity, DH)
+        GroupedKVCache.preallocate(B, n_kv_heads, capacity, d_head)
         if preallocate
         else GroupedKVCache()
     )
