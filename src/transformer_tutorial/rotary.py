@@ -60,23 +60,46 @@ class RotaryEmbedding(nn.Module):
         max_len: positions ``0 … max_len − 1`` are covered.
         base: the base of the angles θ_i = base^(−2i/Dh), ``rope_theta`` in ``transformers``
             (10000; Llama 3 uses 500000).
+        frequencies: θ_i to use instead, ``(Dr/2,)`` (rope scaling, chapter 18); fewer than
+            ``Dh/2`` rotate only the first ``Dr`` coordinates (partial rotary).
+        attention_scaling: multiplies the cos and sin tables once (YaRN's attention factor).
 
     Shapes:
         ``forward(x, position_ids)``: ``position_ids`` integer ``(B, L)`` or ``(L,)`` →
-        ``(cos, sin)``, each ``position_ids.shape + (Dh,)``, in ``x``'s dtype and device
-        (``x`` is read only for those).
+        ``(cos, sin)``, each ``position_ids.shape + (Dr,)`` (``Dr = Dh`` unless
+        ``frequencies`` are given), in ``x``'s dtype and device (``x`` is read only for those).
     """
 
-    def __init__(self, head_dim: int, *, max_len: int = 4096, base: float = 10000.0) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        max_len: int = 4096,
+        base: float = 10000.0,
+        frequencies: Tensor | None = None,
+        attention_scaling: float = 1.0,
+    ) -> None:
         super().__init__()
         check_int("max_len", max_len, at_least=1)
-        theta = rotary_frequencies(head_dim, base)  # (Dh/2,)
+        check_number("attention_scaling", attention_scaling, low=0.0, low_open=True)
+        if frequencies is None:
+            theta = rotary_frequencies(head_dim, base)  # (Dh/2,)
+        else:
+            check_int("head_dim", head_dim, at_least=2)
+            if frequencies.dim() != 1 or not 1 <= len(frequencies) <= head_dim // 2:
+                raise ValueError(
+                    f"frequencies must be 1-D with 1 to head_dim/2 = {head_dim // 2} entries, "
+                    f"got shape {tuple(frequencies.shape)}"
+                )
+            theta = frequencies.double()  # (Dr/2,)
         self.head_dim, self.max_len, self.base = head_dim, max_len, base
+        self.attention_scaling = attention_scaling
         position = torch.arange(max_len, dtype=torch.float64)
-        angles = torch.outer(position, theta)  # (max_len, Dh/2): m · θ_i
-        angles = torch.cat([angles, angles], dim=-1)  # (max_len, Dh)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        angles = torch.outer(position, theta)  # (max_len, Dr/2): m · θ_i
+        angles = torch.cat([angles, angles], dim=-1)  # (max_len, Dr)
+        cos, sin = angles.cos() * attention_scaling, angles.sin() * attention_scaling
+        self.register_buffer("cos", cos.float(), persistent=False)
+        self.register_buffer("sin", sin.float(), persistent=False)
 
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         if position_ids.dtype not in (torch.int64, torch.int32):
@@ -92,7 +115,9 @@ class RotaryEmbedding(nn.Module):
         return cos.to(x.device, x.dtype), sin.to(x.device, x.dtype)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_len={self.max_len}, base={self.base}"
+        scaled = "" if self.attention_scaling == 1.0 else f", scaling={self.attention_scaling}"
+        width = "" if self.cos.size(-1) == self.head_dim else f", rotated={self.cos.size(-1)}"
+        return f"head_dim={self.head_dim}, max_len={self.max_len}, base={self.base}{width}{scaled}"
 
 
 class RotaryPositions(nn.Module):
@@ -103,8 +128,9 @@ class RotaryPositions(nn.Module):
     the model's ``.to(device)``.
 
     Args:
-        head_dim, max_len, base: as :class:`RotaryEmbedding`.
-        layout: which coordinates pair up, one of ``LAYOUTS``.
+        head_dim, max_len, base, frequencies, attention_scaling: as :class:`RotaryEmbedding`.
+        layout: which coordinates pair up, one of ``LAYOUTS``: within the first ``Dr``
+            coordinates when only those rotate (partial rotary, GPT-NeoX); the rest pass.
 
     Shapes:
         q ``(B, H, L, Dh)``, k ``(B, Hkv, L, Dh)``, position_ids ``(B, L)`` → q, k as given.
@@ -117,15 +143,32 @@ class RotaryPositions(nn.Module):
         max_len: int = 4096,
         base: float = 10000.0,
         layout: str = "half_split",
+        frequencies: Tensor | None = None,
+        attention_scaling: float = 1.0,
     ) -> None:
         super().__init__()
         check_choice("layout", layout, LAYOUTS)
-        self.rotary = RotaryEmbedding(head_dim, max_len=max_len, base=base)
+        self.rotary = RotaryEmbedding(
+            head_dim,
+            max_len=max_len,
+            base=base,
+            frequencies=frequencies,
+            attention_scaling=attention_scaling,
+        )
         self.layout = layout
 
     def forward(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = self.rotary(q, position_ids)  # (B, L, Dh) each
-        return apply_rotary(q, k, cos, sin, layout=self.layout)
+        cos, sin = self.rotary(q, position_ids)  # (B, L, Dr) each
+        width = cos.size(-1)
+        if width == q.size(-1):
+            return apply_rotary(q, k, cos, sin, layout=self.layout)
+        q_turned, k_turned = apply_rotary(
+            q[..., :width], k[..., :width], cos, sin, layout=self.layout
+        )
+        return (
+            torch.cat([q_turned, q[..., width:]], dim=-1),  # (B, H, L, Dh)
+            torch.cat([k_turned, k[..., width:]], dim=-1),  # (B, Hkv, L, Dh)
+        )
 
     def extra_repr(self) -> str:
         return f"layout={self.layout!r}"
