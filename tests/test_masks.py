@@ -13,13 +13,20 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import raises, tiny_config
 from transformer_tutorial.attention import MultiHeadAttention, scaled_dot_product_attention
+from transformer_tutorial.grouped_attention import GroupedKVCache, GroupedQueryAttention
+from transformer_tutorial.language_model import LanguageModel
+from transformer_tutorial.layers import DecoderLayer, EncoderLayer
+from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.masks import (
     causal_mask,
+    check_mask,
     merge_masks,
     padding_mask,
     sliding_window_causal_mask,
 )
+from transformer_tutorial.model import Transformer
 
 PAD = 0
 
@@ -126,9 +133,12 @@ def test_merge_masks_shapes_broadcast_to_b_h_l_s():
         (causal_mask(L, S), kpm, (B, 1, L, S)),
         (torch.zeros(B, L, S, dtype=torch.bool), kpm, (B, 1, L, S)),
         (torch.zeros(B, 2, L, S, dtype=torch.bool), kpm, (B, 2, L, S)),
+        (torch.zeros(B, 1, L, S, dtype=torch.bool), None, (B, 1, L, S)),
     ]
     for attn_mask, key_padding_mask, shape in cases:
-        merged = merge_masks(attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S)
+        merged = merge_masks(
+            attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S, n_heads=2
+        )
         assert (merged if merged is None else merged.shape) == shape
 
 
@@ -174,3 +184,201 @@ def test_merge_masks_refuses_wrong_shapes():
         merge_masks(torch.zeros(4, 5, dtype=torch.bool), None, batch_size=2, q_len=5, k_len=5)
     with pytest.raises(ValueError, match=r"attn_mask has shape \(5,\)"):
         merge_masks(torch.zeros(5, dtype=torch.bool), None, batch_size=2, q_len=5, k_len=5)
+
+
+def _bool(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.bool)
+
+
+def _translation_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(tiny_config()).eval()
+
+
+SRC = torch.tensor([[3, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])  # (B, S) = (2, 6), no padding
+TGT = torch.tensor([[2, 5, 6, 7, 8], [2, 5, 6, 7, 8]])  # (B, T) = (2, 5)
+Q3, Q4 = torch.randn(2, 5, 4), torch.randn(2, 2, 5, 4)  # (B, L, Dk), (B, H, L, Dk)
+X, MEMORY = torch.randn(2, 5, 16), torch.randn(2, 6, 16)  # (B, T, D), (B, S, D)
+LM = LMConfig(vocab_size=11, d_model=16, n_heads=4, n_layers=1, d_ff=32, max_len=12,
+              dropout=0.0, positions="rope", attention="gqa")  # fmt: skip
+ATTN_LS = "(L, S) = (5, 5) or (B, L, S) = (2, 5, 5), True = blocked"
+
+
+def _lm_step_after(n_cached: int, padding: torch.Tensor) -> None:
+    """Cache ``n_cached`` tokens, then one more with ``padding``."""
+    lm = LanguageModel(LM).eval()
+    ids = torch.ones(2, n_cached + 1, dtype=torch.long)
+    _, cache = lm.step(ids[:, :n_cached])
+    lm.step(ids[:, n_cached:], cache, padding_mask=padding)
+
+
+# (entry point, the call with a mask that does not fit, the error, the phrase a user reads)
+BAD_MASKS = [
+    (
+        "sdpa: 4-D mask, 3-D queries",
+        lambda: scaled_dot_product_attention(Q3, Q3, Q3, attn_mask=_bool(2, 2, 5, 5)),
+        ValueError,
+        f"attn_mask has shape (2, 2, 5, 5); expected {ATTN_LS}",
+    ),
+    (
+        "sdpa: 4-D mask, 3-D queries, weights",
+        lambda: scaled_dot_product_attention(
+            Q3, Q3, Q3, attn_mask=_bool(2, 3, 5, 5), need_weights=True
+        ),
+        ValueError,
+        "attn_mask has shape (2, 3, 5, 5)",
+    ),
+    (
+        "sdpa: 3 mask heads, 1 query head",
+        lambda: scaled_dot_product_attention(
+            Q4[:, :1], Q4[:, :1], Q4[:, :1], attn_mask=_bool(2, 3, 5, 5)
+        ),
+        ValueError,
+        "attn_mask has shape (2, 3, 5, 5); expected (L, S) = (5, 5) or (B, L, S) = (2, 5, 5) or "
+        "(B, H, L, S) = (2, 1, 5, 5)",
+    ),
+    (
+        "sdpa: 3 mask heads, 2 query heads",
+        lambda: scaled_dot_product_attention(Q4, Q4, Q4, attn_mask=_bool(2, 3, 5, 5)),
+        ValueError,
+        "(B, H, L, S) = (2, 2, 5, 5) or (B, 1, L, S) = (2, 1, 5, 5), True = blocked",
+    ),
+    (
+        "sdpa: 5-D mask",
+        lambda: scaled_dot_product_attention(Q4, Q4, Q4, attn_mask=_bool(1, 2, 2, 5, 5)),
+        ValueError,
+        "attn_mask has shape (1, 2, 2, 5, 5)",
+    ),
+    (
+        "sdpa: key padding (B, L, S)",
+        lambda: scaled_dot_product_attention(Q3, Q3, Q3, key_padding_mask=_bool(2, 5, 5)),
+        ValueError,
+        "key_padding_mask has shape (2, 5, 5); expected (B, S) = (2, 5), True at padding",
+    ),
+    (
+        "MultiHeadAttention: 3 mask heads for 4",
+        lambda: MultiHeadAttention(16, 4)(X, X, X, attn_mask=_bool(2, 3, 5, 5)),
+        ValueError,
+        "attn_mask has shape (2, 3, 5, 5)",
+    ),
+    (
+        "MultiHeadAttention.attend: key padding of the queries' length",
+        lambda: (
+            lambda m: m.attend(X, m.project_kv(MEMORY, MEMORY), key_padding_mask=_bool(2, 5))
+        )(MultiHeadAttention(16, 4)),
+        ValueError,
+        "key_padding_mask has shape (2, 5); expected (B, S) = (2, 6)",
+    ),
+    (
+        "EncoderLayer",
+        lambda: EncoderLayer(16, 4, 32, 0.0)(MEMORY, src_key_padding_mask=_bool(2, 5)),
+        ValueError,
+        "src_key_padding_mask has shape (2, 5); expected (B, S) = (2, 6), True at padding",
+    ),
+    (
+        "EncoderLayer.forward_with_weights",
+        lambda: EncoderLayer(16, 4, 32, 0.0).forward_with_weights(
+            MEMORY, src_key_padding_mask=_bool(6, 2)
+        ),
+        ValueError,
+        "src_key_padding_mask has shape (6, 2); expected (B, S) = (2, 6)",
+    ),
+    (
+        "DecoderLayer: target padding",
+        lambda: DecoderLayer(16, 4, 32, 0.0)(X, MEMORY, tgt_key_padding_mask=_bool(2, 6)),
+        ValueError,
+        "tgt_key_padding_mask has shape (2, 6); expected (B, T) = (2, 5), True at padding",
+    ),
+    (
+        "DecoderLayer: memory padding",
+        lambda: DecoderLayer(16, 4, 32, 0.0).forward_with_weights(
+            X, MEMORY, memory_key_padding_mask=_bool(2, 5)
+        ),
+        ValueError,
+        "memory_key_padding_mask has shape (2, 5); expected (B, S) = (2, 6)",
+    ),
+    (
+        "DecoderLayer.step",
+        lambda: (
+            lambda d: d.step(X[:, :1], d.init_cache(MEMORY), memory_key_padding_mask=_bool(2, 1))
+        )(DecoderLayer(16, 4, 32, 0.0)),
+        ValueError,
+        "memory_key_padding_mask has shape (2, 1); expected (B, S) = (2, 6)",
+    ),
+    (
+        "Transformer.encode",
+        lambda: _translation_model().encode(SRC, _bool(2, 5)),
+        ValueError,
+        "src_key_padding_mask has shape (2, 5); expected (B, S) = (2, 6)",
+    ),
+    (
+        "Transformer.forward",
+        lambda: _translation_model()(SRC, TGT, tgt_key_padding_mask=_bool(5, 2)),
+        ValueError,
+        "tgt_key_padding_mask has shape (5, 2); expected (B, T) = (2, 5)",
+    ),
+    (
+        "Transformer.decode",
+        lambda: _translation_model().decode(TGT, MEMORY, memory_key_padding_mask=_bool(2, 6, 1)),
+        ValueError,
+        "memory_key_padding_mask has shape (2, 6, 1); expected (B, S) = (2, 6)",
+    ),
+    (
+        "Transformer.decode_step",
+        lambda: (lambda m: m.decode_step(TGT[:, :1], m.init_cache(MEMORY, _bool(1, 6))))(
+            _translation_model()
+        ),
+        ValueError,
+        "memory_key_padding_mask has shape (1, 6); expected (B, S) = (2, 6)",
+    ),
+    (
+        "GroupedQueryAttention",
+        lambda: GroupedQueryAttention(16, 4, 2)(X, key_padding_mask=_bool(2, 4)),
+        ValueError,
+        "key_padding_mask has shape (2, 4); expected (B, seen + L) = (2, 5), True at padding",
+    ),
+    (
+        "LanguageModel: float padding",
+        lambda: LanguageModel(LM)(TGT, padding_mask=torch.zeros(2, 5)),
+        TypeError,
+        "padding_mask must be a bool tensor with True = blocked, got torch.float32",
+    ),
+    (
+        "LanguageModel.step: the new positions only",
+        lambda: _lm_step_after(4, _bool(2, 1)),
+        ValueError,
+        "padding_mask has shape (2, 1); expected (B, cached + new) = (2, 5), True at padding",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), [r[1:] for r in BAD_MASKS], ids=[r[0] for r in BAD_MASKS]
+)
+def test_every_entry_point_refuses_a_mask_of_the_wrong_shape_naming_it(call, error, phrase):
+    """A mask that does not fit the scores as the docstring says is refused by name, never
+    broadcast into a wrong shape (a 4-D mask on 3-D queries gave 4-D outputs) nor left to a
+    size error deep inside."""
+    raises(call, error, phrase)
+
+
+def test_check_mask_lets_none_and_every_listed_shape_through():
+    shapes = {"(L, S)": (5, 6), "(B, L, S)": (2, 5, 6)}
+    for mask in (None, _bool(5, 6), _bool(2, 5, 6)):
+        check_mask("attn_mask", mask, shapes)
+    raises(lambda: check_mask("m", _bool(6, 5), shapes), ValueError, "m has shape (6, 5)")
+
+
+def test_a_refused_padding_mask_leaves_the_cache_as_it_was():
+    """The mask is checked before the cache takes the new keys: after the error the cache still
+    holds the prompt only, and decoding can go on."""
+    torch.manual_seed(0)
+    attention, cache = GroupedQueryAttention(16, 4, 2).eval(), GroupedKVCache()
+    with torch.no_grad():
+        attention(X, cache=cache)
+        k, v = cache.k.clone(), cache.v.clone()
+        raises(lambda: attention(X[:, :1], cache=cache, key_padding_mask=_bool(2, 1)),
+               ValueError, "expected (B, seen + L) = (2, 6)")  # fmt: skip
+        assert cache.seen == 5 and torch.equal(cache.k, k) and torch.equal(cache.v, v)
+        out = attention(X[:, :1], cache=cache, key_padding_mask=_bool(2, 6))
+    assert out.shape == (2, 1, 16) and cache.seen == 6

@@ -35,7 +35,8 @@ def scaled_dot_product_attention(
         q: ``(B, H, L, Dk)`` or ``(B, L, Dk)``.
         k: ``(B, H, S, Dk)`` or ``(B, S, Dk)``.
         v: ``(B, H, S, Dv)`` or ``(B, S, Dv)``.
-        attn_mask: bool, True = blocked: ``(L, S)``, ``(B, L, S)`` or ``(B, H, L, S)``.
+        attn_mask: bool, True = blocked: ``(L, S)``, ``(B, L, S)`` or, when ``q`` has heads,
+            ``(B, H, L, S)`` or ``(B, 1, L, S)``; any other shape is refused.
         key_padding_mask: bool ``(B, S)``, True = padding.
         dropout_p: dropout on the attention weights (pass 0.0 when evaluating).
         need_weights: also return the weights ``(B, H, L, S)`` (or ``(B, L, S)``).
@@ -59,11 +60,11 @@ def scaled_dot_product_attention(
         )
     check_number("dropout_p", dropout_p, low=0.0, high=1.0)
     heads = q.dim() == 4
-    blocked = merge_masks(
-        attn_mask, key_padding_mask, batch_size=q.size(0), q_len=q.size(-2), k_len=k.size(-2)
-    )
+    B, L, S = q.size(0), q.size(-2), k.size(-2)
+    H = q.size(1) if heads else None
+    blocked = merge_masks(attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S, n_heads=H)
     if blocked is not None and not heads:
-        blocked = blocked[:, 0] if blocked.size(1) == 1 else blocked.squeeze(1)  # (B, L, S)
+        blocked = blocked[:, 0]  # (B or 1, L or 1, S): no heads, so dimension 1 has size 1
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, L, S)
     if blocked is not None:
         # The most negative finite number, not -inf: a fully blocked row then softmaxes to a

@@ -16,7 +16,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_tutorial.checks import check_bool, check_int, check_number, check_optional_int
-from transformer_tutorial.masks import causal_mask, merge_masks, sliding_window_causal_mask
+from transformer_tutorial.masks import (
+    causal_mask,
+    check_padding_mask,
+    merge_masks,
+    sliding_window_causal_mask,
+)
 from transformer_tutorial.norms import RMSNorm
 
 # A position scheme: (queries (B, H, L, Dh), keys (B, Hkv, L, Dh), position ids (B, L)) → the
@@ -237,6 +242,8 @@ class GroupedQueryAttention(nn.Module):
             raise ValueError(f"x must be (B, L, D={self.d_model}), got {tuple(x.shape)}")
         B, L, _ = x.shape
         seen = 0 if cache is None else cache.seen
+        # before the cache changes: a mask over every position so far
+        check_padding_mask("key_padding_mask", key_padding_mask, "(B, seen + L)", (B, seen + L))
         # 1) project: H query heads, Hkv key/value heads, (B, L, heads, Dh)
         q = self.q_proj(x).view(B, L, self.n_heads, self.d_head)
         k = self.k_proj(x).view(B, L, self.n_kv_heads, self.d_head)
@@ -288,11 +295,6 @@ class GroupedQueryAttention(nn.Module):
         else:
             attn_mask = sliding_window_causal_mask(L, S, window=self.window, device=self._device())
         if key_padding_mask is not None:
-            if key_padding_mask.dim() != 2 or key_padding_mask.shape != (B, seen + L):
-                raise ValueError(
-                    f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected "
-                    f"(B, seen + L) = {(B, seen + L)}: every position so far, True at padding"
-                )
             key_padding_mask = key_padding_mask[:, seen + L - S :]  # the positions held
         return merge_masks(attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S)
 

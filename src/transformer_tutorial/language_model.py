@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.lm_layer import Cache, DecoderOnlyLayer
 from transformer_tutorial.lm_pieces import make_norm, make_positions
+from transformer_tutorial.masks import check_padding_mask
 
 # The projections that write into the residual stream, initialised smaller.
 RESIDUAL_PROJECTIONS = ("self_attn.out_proj.weight", "ff.linear2.weight", "ff.down_proj.weight")
@@ -121,11 +122,7 @@ class LanguageModel(nn.Module):
                 "cannot skip the padding; pad on the right instead"
             )
         B, T_new = ids.shape
-        if padding_mask.dtype != torch.bool or padding_mask.shape != (B, start + T_new):
-            raise ValueError(
-                f"padding_mask must be bool (B, cached + new) = {(B, start + T_new)}, True at "
-                f"padding; got {padding_mask.dtype} {tuple(padding_mask.shape)}"
-            )
+        check_padding_mask("padding_mask", padding_mask, "(B, cached + new)", (B, start + T_new))
         position_ids = ((~padding_mask).cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T_new)
         return dict(position_ids=position_ids, padding_mask=padding_mask)
 

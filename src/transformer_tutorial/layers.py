@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_tutorial.attention import KVCache, MultiHeadAttention
-from transformer_tutorial.masks import causal_mask
+from transformer_tutorial.masks import causal_mask, check_padding_mask
 
 # The feed-forward's activations by name: the paper's ReLU, GELU, and GELU's tanh approximation,
 # GPT-2's (chapter 13; "gelu_new" in transformers).
@@ -140,6 +140,7 @@ class EncoderLayer(nn.Module):
     def _layer(
         self, x: Tensor, key_padding_mask: Tensor | None, need_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
+        check_padding_mask("src_key_padding_mask", key_padding_mask, "(B, S)", x.shape[:2])
         if self.norm_first:
             sa, weights = self._sa_block(self.norm1(x), key_padding_mask, need_weights)
             x = x + sa
@@ -268,6 +269,9 @@ class DecoderLayer(nn.Module):
         memory_key_padding_mask: Tensor | None,
         need_weights: bool,
     ) -> tuple[Tensor, KVCache, tuple[Tensor | None, Tensor | None]]:
+        B, S = x.size(0), cache.memory_kv.k.size(2)
+        check_padding_mask("tgt_key_padding_mask", tgt_key_padding_mask, "(B, T)", x.shape[:2])
+        check_padding_mask("memory_key_padding_mask", memory_key_padding_mask, "(B, S)", (B, S))
         if self.norm_first:
             sa, self_kv, w_self = self._sa_block(
                 self.norm1(x), cache.self_kv, tgt_key_padding_mask, need_weights

@@ -58,13 +58,48 @@ def sliding_window_causal_mask(
     return future | too_old.tril(k_len - q_len - window)  # j <= p - window, p = k_len - q_len + i
 
 
-def _check_bool(name: str, mask: Tensor) -> None:
+def check_mask(
+    name: str,
+    mask: Tensor | None,
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    meaning: str = "True = blocked",
+) -> None:
+    """Refuse ``mask`` unless it is None or bool (True = blocked) with one of ``shapes``.
+
+    ``shapes`` maps each shape's name to its size, e.g. ``{"(B, S)": (2, 7)}``; the error names
+    the argument, the shape it has, every shape it may have and ``meaning``. Every public
+    function that takes a mask checks it here, before it changes anything (a cache).
+    """
+    if mask is None:
+        return
     if mask.dtype != torch.bool:
         raise TypeError(
             f"{name} must be a bool tensor with True = blocked, got {mask.dtype}. "
             f"From a float mask of 0/-inf use `{name} == float('-inf')`; "
             f"from a 0/1 mask use `{name} == 0` or `.bool()` as its meaning requires."
         )
+    if tuple(mask.shape) not in shapes.values():
+        allowed = " or ".join(f"{label} = {shape}" for label, shape in shapes.items())
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}; expected {allowed}, {meaning}")
+
+
+def check_padding_mask(name: str, mask: Tensor | None, label: str, shape: tuple[int, ...]) -> None:
+    """:func:`check_mask` for a key padding mask: the one shape ``label`` = ``shape``, True at
+    padding."""
+    check_mask(name, mask, {label: tuple(shape)}, meaning="True at padding")
+
+
+def attn_mask_shapes(
+    batch_size: int, q_len: int, k_len: int, n_heads: int | None = None
+) -> dict[str, tuple[int, ...]]:
+    """The shapes an ``attn_mask`` may have: ``(L, S)``, ``(B, L, S)`` and, when the scores
+    have ``n_heads`` heads, ``(B, H, L, S)`` or ``(B, 1, L, S)`` (one mask for every head)."""
+    shapes = {"(L, S)": (q_len, k_len), "(B, L, S)": (batch_size, q_len, k_len)}
+    if n_heads is not None:
+        shapes["(B, H, L, S)"] = (batch_size, n_heads, q_len, k_len)
+        shapes["(B, 1, L, S)"] = (batch_size, 1, q_len, k_len)
+    return shapes
 
 
 def merge_masks(
@@ -79,8 +114,9 @@ def merge_masks(
     """Combine an attention mask and a key padding mask into one bool mask, True = blocked.
 
     Args:
-        attn_mask: ``(L, S)`` shared by the batch, or ``(B, L, S)``, or ``(B, H, L, S)``
-            (H = ``n_heads`` when given).
+        attn_mask: ``(L, S)`` shared by the batch, or ``(B, L, S)``, or, when the scores have
+            ``n_heads`` = H heads, ``(B, H, L, S)`` or ``(B, 1, L, S)``; ``n_heads=None`` (scores
+            ``(B, L, S)``) refuses a 4-D mask.
         key_padding_mask: ``(B, S)``, True at padded keys.
 
     Returns:
@@ -89,32 +125,15 @@ def merge_masks(
     """
     merged = None
     if attn_mask is not None:
-        _check_bool("attn_mask", attn_mask)
+        check_mask("attn_mask", attn_mask, attn_mask_shapes(batch_size, q_len, k_len, n_heads))
         if attn_mask.dim() == 2:
-            expected = (q_len, k_len)
             merged = attn_mask[None, None]  # (1, 1, L, S)
         elif attn_mask.dim() == 3:
-            expected = (batch_size, q_len, k_len)
             merged = attn_mask[:, None]  # (B, 1, L, S)
-        elif attn_mask.dim() == 4:
-            expected = (batch_size, n_heads or attn_mask.size(1), q_len, k_len)
-            merged = attn_mask
         else:
-            expected = (q_len, k_len)
-        if tuple(attn_mask.shape) != expected:
-            raise ValueError(
-                f"attn_mask has shape {tuple(attn_mask.shape)}; "
-                f"expected (L, S) = {(q_len, k_len)}, "
-                f"(B, L, S) = {(batch_size, q_len, k_len)} or "
-                f"(B, H, L, S) = {(batch_size, n_heads or 'H', q_len, k_len)}"
-            )
+            merged = attn_mask  # (B, H, L, S)
     if key_padding_mask is not None:
-        _check_bool("key_padding_mask", key_padding_mask)
-        if tuple(key_padding_mask.shape) != (batch_size, k_len):
-            raise ValueError(
-                f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected (B, S) = "
-                f"{(batch_size, k_len)}, True at padding"
-            )
+        check_padding_mask("key_padding_mask", key_padding_mask, "(B, S)", (batch_size, k_len))
         padded = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
         merged = padded if merged is None else merged | padded
     return merged
