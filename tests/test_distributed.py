@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from transformer_tutorial import distributed
-from transformer_tutorial import trainer as trainer_module
+from transformer_tutorial import budget, distributed
 from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import pair_lengths, token_batches
 from transformer_tutorial.model import Transformer
@@ -76,7 +75,7 @@ def test_every_stop_reason_survives_the_ranks_agreement(monkeypatch, reason):
 
 
 def test_the_trainer_stops_only_for_reasons_the_ranks_can_agree_on():
-    source = Path(trainer_module.__file__).read_text(encoding="utf-8")
+    source = Path(budget.__file__).read_text(encoding="utf-8")  # where the trainer's stops are
     given = set(re.findall(r'reason = "([a-z_]+)"', source))
     assert given and given <= set(distributed.STOP_REASONS), given - set(distributed.STOP_REASONS)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 
 import pytest
@@ -11,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import raises
 from transformer_tutorial.optim import (
+    LinearDecay,
     label_smoothing_loss,
     make_optimizer,
     paper_peak_lr,
@@ -162,3 +165,63 @@ def test_make_optimizer_with_total_steps_follows_the_linear_decay():
         optimizer.step()
         schedule.step()
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+
+
+def test_linear_decay_until_moved_is_warmup_linear_decay_to_the_last_bit():
+    """A run without a time limit keeps its schedule: the same floats as before it could move."""
+    for warmup, total in ((4, 10), (400, 3600), (50, 51)):
+        decay = LinearDecay(warmup=warmup, total=total)
+        for step in range(total + 3):
+            assert decay(step) == warmup_linear_decay(step, warmup=warmup, total=total), step
+
+
+def test_moving_the_end_goes_on_from_the_rate_now_in_a_straight_line_to_zero():
+    decay = LinearDecay(warmup=4, total=20)
+    now = decay(10)  # 10/16 of the peak
+    decay.end_at(10, 15)
+    assert decay(10) == pytest.approx(now)  # no jump
+    assert [decay(s) for s in range(10, 17)] == pytest.approx(
+        [now * (15 - s) / 5 for s in range(10, 16)] + [0.0]
+    )
+    later = LinearDecay(warmup=4, total=20)
+    later.end_at(10, 30)  # a longer plan: a gentler slope, never a rise
+    assert later(10) == pytest.approx(now) and later(11) < now and later(30) == 0.0
+    warming = LinearDecay(warmup=4, total=20)
+    warming.end_at(2, 8)  # during the warm-up: the warm-up as it was, then down from the peak
+    assert [warming(s) for s in range(9)] == pytest.approx(
+        [0.25, 0.5, 0.75, 1, 1, 0.75, 0.5, 0.25, 0]
+    )
+
+
+@pytest.mark.parametrize(("step", "total"), [(10, 10), (10, 9), (2, 4)])
+def test_moving_the_end_refuses_one_not_after_the_steps_taken_and_the_warm_up(step, total):
+    raises(
+        lambda: LinearDecay(warmup=4, total=20).end_at(step, total),
+        ValueError,
+        f"total must be more than the steps taken ({step}) and the warm-up (4), got {total}",
+    )
+
+
+def test_a_moved_end_is_saved_with_the_schedule_and_restored_from_a_checkpoint():
+    """last.pt keeps the schedule's state_dict: a resumed run goes on with the plan it had."""
+    model = nn.Linear(2, 2)
+    optimizer, schedule = make_optimizer(model, lr=1e-3, warmup=2, total_steps=20)
+    for _ in range(8):
+        optimizer.step()
+        schedule.step()
+    schedule.lr_lambdas[0].end_at(8, 12)
+    buffer = io.BytesIO()
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    again, again_schedule = make_optimizer(model, lr=1e-3, warmup=2, total_steps=20)
+    again.load_state_dict(saved["optimizer"])
+    again_schedule.load_state_dict(saved["scheduler"])
+    lrs = []
+    for opt, sched in ((optimizer, schedule), (again, again_schedule)):
+        lrs.append([])
+        for _ in range(5):
+            lrs[-1].append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+    assert lrs[0] == lrs[1] and lrs[0][-1] == 0.0 and lrs[0][0] > 0

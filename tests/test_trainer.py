@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from helpers import raises
-from transformer_tutorial import trainer
+from transformer_tutorial import budget, trainer
+from transformer_tutorial.checkpoint import average_checkpoints
 from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import pair_lengths, token_batches
 from transformer_tutorial.dropout import CheapDropout
@@ -135,9 +136,7 @@ def test_training_time_is_counted_once(pairs, tmp_path, monkeypatch):
     the number of readings (counting the time before a checkpoint twice would)."""
     clock = itertools.count()
     readings = []
-    monkeypatch.setattr(
-        trainer.time, "monotonic", lambda: readings.append(1) or float(next(clock))
-    )
+    monkeypatch.setattr(budget.time, "monotonic", lambda: readings.append(1) or float(next(clock)))
     config = replace(CONFIG, epochs=2, checkpoint_every=2)
     train_pairs = pairs[0][:18]
     _, state = fit(
@@ -290,3 +289,69 @@ def test_a_recipe_with_steps_decays_to_zero_there_and_stops(pairs, tmp_path):
     peak = config.lr
     assert lrs[2] == pytest.approx(peak) and lrs[4] == pytest.approx(peak * 3 / 5)
     assert lrs[6] == pytest.approx(peak / 5)
+
+
+# --- a time limit on a recipe with steps: a shorter schedule, still decayed and averaged --------
+
+BUDGETED = replace(CONFIG, warmup=2, steps=40, epochs=100, average_last=3)
+SECONDS_A_STEP, LIMIT_S = 1.0, 30.0  # a machine on which 40 steps do not fit the limit
+
+
+@pytest.fixture
+def slow_machine(monkeypatch):
+    """A fake clock that moves only when a step is taken, by SECONDS_A_STEP."""
+    now = [0.0]
+    monkeypatch.setattr(budget.time, "monotonic", lambda: now[0])
+    step = Trainer.train_step
+
+    def timed_step(self, batch):
+        now[0] += SECONDS_A_STEP
+        return step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+
+
+def train_budgeted(pairs, out_dir, **options):
+    options = RunOptions(seed=SEED, progress=False, **options)
+    return fit(BUDGETED, *pairs, vocab_size=VOCAB, out_dir=out_dir, options=options)
+
+
+def test_a_time_limit_ends_the_decay_at_the_last_step_that_fits_and_averages_there(
+    pairs, tmp_path, slow_machine
+):
+    _, state = train_budgeted(pairs, tmp_path, max_minutes=LIMIT_S / 60)
+    last_step = math.floor((1 - budget.SAFETY) * LIMIT_S / SECONDS_A_STEP)  # 28 of 40
+    assert state.step == last_step < BUDGETED.steps and state.stopped_by == "steps"
+    saved = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == 0.0  # fully decayed
+    assert saved["scheduler"]["lr_lambdas"][0]["total"] == last_step  # the plan, to resume
+    lrs = {e["step"]: e["lr"] for e in state.history["train"]}
+    # Planned at step 4 (the first plan needs two timed log lines): until then the recipe's
+    # decay to step 40, from there a straight line to zero after step 28, without a jump.
+    assert lrs[4] == BUDGETED.lr * 36 / 38
+    assert lrs[6] == pytest.approx(BUDGETED.lr * 36 / 38 * 22 / 24)
+    after_peak = [lr for step, lr in sorted(lrs.items()) if step >= BUDGETED.warmup]
+    assert after_peak == sorted(after_peak, reverse=True)
+    # The last average_last checkpoints, the last step's included, are averaged.
+    snapshots = RunFolder(tmp_path).snapshots()
+    assert [snapshot_step(p) for p in snapshots] == [20, 24, last_step]
+    assert average_checkpoints(snapshots)["averaged_steps"] == [20, 24, last_step]
+
+
+def test_a_run_planned_by_a_time_limit_resumes_on_its_plan_exactly(pairs, tmp_path, slow_machine):
+    """Stopped at step 10, resumed without a time limit: the plan saved in last.pt ends it at the
+    same step, with the same weights and snapshots as the uninterrupted run."""
+    straight, state = train_budgeted(pairs, tmp_path / "straight", max_minutes=LIMIT_S / 60)
+    train_budgeted(pairs, tmp_path / "resumed", max_minutes=LIMIT_S / 60, max_steps=10)
+    resumed, resumed_state = train_budgeted(pairs, tmp_path / "resumed", resume=True)
+    assert resumed_state.step == state.step < BUDGETED.steps
+    assert resumed_state.stopped_by == "steps"
+    for (name, a), b in zip(
+        straight.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    steps = [
+        [snapshot_step(p) for p in RunFolder(tmp_path / run).snapshots()]
+        for run in ("straight", "resumed")
+    ]
+    assert steps[0] == steps[1]

@@ -51,6 +51,36 @@ def warmup_linear_decay(step: int, *, warmup: int, total: int) -> float:
     return max(0.0, min((step + 1) / warmup, (total - step) / (total - warmup)))
 
 
+class LinearDecay:
+    """:func:`warmup_linear_decay` as a ``LambdaLR`` multiplier whose last step can move while
+    the run goes (:meth:`end_at`): a run that plans its length from a time budget.
+
+    Until moved it is ``warmup_linear_decay(step, warmup=warmup, total=total)`` exactly. Moved
+    at a step, it decays in a straight line from that step's value to 0 just after the new last
+    step: the learning rate never jumps. Its fields are its state: ``LambdaLR.state_dict`` saves
+    a callable object's attributes, so ``last.pt`` keeps the plan and a resumed run follows it.
+    """
+
+    def __init__(self, *, warmup: int, total: int) -> None:
+        self.warmup, self.total = warmup, total
+        self.decay_start, self.decay_from = warmup, 1.0  # the decay's first step and its value
+
+    def __call__(self, step: int) -> float:
+        fall = self.decay_from * (self.total - step) / (self.total - self.decay_start)
+        return max(0.0, min((step + 1) / self.warmup, fall))
+
+    def end_at(self, step: int, total: int) -> None:
+        """From ``step`` (optimizer steps taken) on, decay to 0 just after step ``total``."""
+        if total <= max(step, self.warmup):
+            raise ValueError(
+                f"total must be more than the steps taken ({step}) and the warm-up "
+                f"({self.warmup}), got {total}"
+            )
+        if step > self.warmup:  # decaying already: go on from where the rate is now
+            self.decay_start, self.decay_from = step, self(step)
+        self.total = total
+
+
 def paper_peak_lr(d_model: int, warmup: int, factor: float = 1.0) -> float:
     """The peak of the paper's learning rate, reached at ``step = warmup`` (section 5.3):
 
@@ -88,7 +118,7 @@ def make_optimizer(
 ) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
     """Adam with the paper's β = (0.9, 0.98), ε = 1e-9, and a schedule peaking at ``lr`` after
     ``warmup`` steps: the paper's inverse square root, or with ``total_steps`` a linear decay to
-    zero just after the last step (:func:`warmup_linear_decay`).
+    zero just after the last step (:class:`LinearDecay`, whose last step a run may move).
 
     ``fused``: one kernel updates every parameter (on the CPU too), several times faster than
     the default loop over parameters, which also reads each one's step count back as a number.
@@ -99,6 +129,6 @@ def make_optimizer(
     if total_steps is None:
         multiplier = partial(warmup_inverse_sqrt, warmup=warmup)
     else:
-        multiplier = partial(warmup_linear_decay, warmup=warmup, total=total_steps)
+        multiplier = LinearDecay(warmup=warmup, total=total_steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
     return optimizer, schedule

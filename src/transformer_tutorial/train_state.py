@@ -41,6 +41,28 @@ class TrainState:
         self.epoch_loss += loss_sum
         self.epoch_tokens += tokens
 
+    def log(self, kind: str, elapsed: float, **values: float) -> None:
+        """Add a line to ``history[kind]``: where training stands, ``values``, ``elapsed``."""
+        line = {"step": self.step, "epoch": self.epoch + 1, **values}
+        self.history[kind].append({**line, "elapsed_s": round(elapsed, 1)})
+
+    def log_window(self, elapsed: float, *, lr: float) -> float:
+        """Log the logging window's mean training loss and ``lr``, start a new window; returns
+        that loss."""
+        train_loss = self.window_loss / self.window_tokens
+        self.log("train", elapsed, train_loss=train_loss, lr=lr)
+        self.window_loss, self.window_tokens = 0.0, 0
+        return train_loss
+
+    def end_epoch(self, elapsed: float, *, val_loss: float, next_start: Tensor) -> float:
+        """Log the epoch's mean training loss beside ``val_loss``, then start the next epoch,
+        whose batch order is drawn from ``next_start``; returns that loss."""
+        epoch_loss = self.epoch_loss / max(self.epoch_tokens, 1)
+        self.log("epochs", elapsed, train_loss=epoch_loss, val_loss=val_loss)
+        self.epoch, self.batch_in_epoch, self.epoch_start = self.epoch + 1, 0, next_start
+        self.epoch_loss, self.epoch_tokens = 0.0, 0
+        return epoch_loss
+
 
 class TrainingInterrupted(Exception):
     """Training stopped on Ctrl-C or SIGTERM after a whole step; ``last.pt`` holds that step."""

@@ -11,7 +11,8 @@ its options, and writes into a :class:`~transformer_tutorial.run_folder.RunFolde
   ``average_last`` checkpoints, to average.
 
 :func:`fit` builds the recipe's model and hands it over. The losses come from
-:mod:`~transformer_tutorial.pair_loss`, :class:`TrainState` from its own module, ``train_state``.
+:mod:`~transformer_tutorial.pair_loss`, :class:`TrainState` from ``train_state``, when to stop
+(and, under a time limit, the last step of a recipe's schedule) from ``budget``.
 
 It also runs as one of several processes under ``torchrun`` (chapter 12,
 :mod:`~transformer_tutorial.distributed`): each rank trains on its share of the batches, the
@@ -21,7 +22,6 @@ loss is normalised over the global batch, and only rank 0 validates and writes f
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from transformer_tutorial import distributed
 from transformer_tutorial.allocator import keep_freed_memory
+from transformer_tutorial.budget import Budget
 from transformer_tutorial.checkpoint import load_checkpoint, restore_rng_states, rng_states
 from transformer_tutorial.configs import RunOptions, TrainConfig
 from transformer_tutorial.data import pair_lengths, token_batches
@@ -96,7 +97,11 @@ class Trainer:
         # device, read back once per log_every steps (each read makes the host wait for it).
         self.unread = torch.zeros(2, device=device)
         self.lengths = pair_lengths(train_pairs)
-        self.started, self.seconds_before = time.monotonic(), 0.0
+        self.budget = Budget(  # a recipe of `steps` decays with optim.LinearDecay: its end
+            max_steps=options.max_steps,
+            max_minutes=options.max_minutes,
+            decay=self.schedule.lr_lambdas[0] if config.steps is not None else None,
+        )
         self.stop_request = StopRequest()  # Ctrl-C or SIGTERM: stop after the current step
 
     def resume(self) -> None:
@@ -115,23 +120,9 @@ class Trainer:
             restore_rng_states(saved["rng"])
             if self.rank:
                 torch.manual_seed(self.options.seed + self.rank + self.state.step)
-        self.seconds_before = self.state.train_seconds
+        self.budget.seconds_before = self.state.train_seconds
         if self.rank == 0:  # the run goes on: the snapshot of where it stopped was off schedule
             self.folder.drop_snapshots_off_schedule(self.state.step, self.config.checkpoint_every)
-
-    def elapsed(self) -> float:
-        """Seconds of training in this run, earlier sessions of a resumed run included."""
-        return self.seconds_before + time.monotonic() - self.started
-
-    def _entry(self, **values: float) -> dict:
-        """A line of the history: where training stands, then ``values``."""
-        state = self.state
-        return {
-            "step": state.step,
-            "epoch": state.epoch + 1,
-            **values,
-            "elapsed_s": round(self.elapsed(), 1),
-        }
 
     def _checkpoint(self) -> dict:
         return {
@@ -146,7 +137,7 @@ class Trainer:
     def save_last(self) -> None:
         """Write ``last.pt``, all that resuming needs: each rank sends its RNG states, 0 writes."""
         self.read_losses()
-        self.state.train_seconds = self.elapsed()
+        self.state.train_seconds = self.budget.elapsed()
         rank_rng = distributed.all_gather_object(rng_states())
         if self.rank:
             return
@@ -187,7 +178,7 @@ class Trainer:
             device=self.device,
             precision=self.precision,
         )
-        state.history["val"].append(self._entry(val_loss=val_loss))
+        state.log("val", self.budget.elapsed(), val_loss=val_loss)
         if val_loss < state.best_val_loss:
             state.best_val_loss = val_loss
             self.folder.save({**self._checkpoint(), "val_loss": val_loss}, self.folder.best)
@@ -228,11 +219,10 @@ class Trainer:
         config, state = self.config, self.state
         if state.step % config.log_every == 0:
             self.read_losses()
-            train_loss = state.window_loss / state.window_tokens
             lr = self.schedule.get_last_lr()[0]
-            state.history["train"].append(self._entry(train_loss=train_loss, lr=lr))
-            state.window_loss, state.window_tokens = 0.0, 0
+            train_loss = state.log_window(self.budget.elapsed(), lr=lr)
             bar.set_postfix(loss=f"{train_loss:.3f}")
+            self.budget.plan(state.step, steps=config.steps)  # under a time limit
         if config.eval_every and state.step % config.eval_every == 0:
             self.validate()
         if config.checkpoint_every and state.step % config.checkpoint_every == 0:
@@ -241,18 +231,14 @@ class Trainer:
 
     def _end_epoch(self, progress: bool) -> None:
         self.read_losses()
-        state = self.state
-        epoch_loss = state.epoch_loss / max(state.epoch_tokens, 1)
-        val_loss = self.validate()
-        state.history["epochs"].append(self._entry(train_loss=epoch_loss, val_loss=val_loss))
+        state, val_loss = self.state, self.validate()
+        elapsed, next_start = self.budget.elapsed(), self.batch_order.get_state()
+        epoch_loss = state.end_epoch(elapsed, val_loss=val_loss, next_start=next_start)
         if progress:
             tqdm.write(
-                f"epoch {state.epoch + 1}: step {state.step}, train loss "
-                f"{epoch_loss:.3f}, val loss {val_loss:.3f}, {self.elapsed() / 60:.1f} min"
+                f"epoch {state.epoch}: step {state.step}, train loss "
+                f"{epoch_loss:.3f}, val loss {val_loss:.3f}, {elapsed / 60:.1f} min"
             )
-        state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-        state.epoch_start = self.batch_order.get_state()
-        state.epoch_loss, state.epoch_tokens = 0.0, 0
 
     def run_epoch(self, should_stop: Callable[[], str], progress: bool) -> str:
         """Train the rest of the current epoch, or until ``should_stop()`` names a reason;
@@ -287,20 +273,15 @@ class Trainer:
         return stopped_by
 
     def fit(self) -> TrainState:
-        """Train until ``config.epochs`` or ``config.steps`` or the options' ``max_steps`` or
-        ``max_minutes``, then validate and save ``last.pt``."""
+        """Train until ``config.epochs`` or ``config.steps`` (or the last step ``max_minutes``
+        holds, :meth:`Budget.plan`) or the options' ``max_steps`` or ``max_minutes``, then
+        validate and save ``last.pt``."""
         state, options = self.state, self.options
-        deadline = self.started + 60 * (options.max_minutes or math.inf)  # None: no deadline
 
         def should_stop() -> str:
-            if self.stop_request.reason:
-                reason = "interrupted"
-            elif options.max_steps is not None and state.step >= options.max_steps:
-                reason = "max_steps"
-            elif self.config.steps is not None and state.step >= self.config.steps:
-                reason = "steps"  # the recipe's schedule has reached zero
-            else:
-                reason = "max_minutes" if time.monotonic() >= deadline else ""
+            reason = self.budget.stop_reason(
+                state.step, interrupted=bool(self.stop_request.reason)
+            )
             return distributed.agree_on_stop(reason, self.device)  # every rank stops together
 
         self.model.train()
