@@ -111,6 +111,21 @@ def test_rms_norm_16_bit_matches_torch_within_one_rounding(dtype):
     assert ((out.float() - expected.float()).abs() <= 2 * step * expected.float().abs()).all()
 
 
+def test_rms_norm_keeps_float64():
+    """Float64 statistics for a float64 input: features 1 + 1e-9·noise differ only below
+    float32's resolution (6e-8 near 1), which a float32 up-cast rounds away entirely."""
+    x = 1 + 1e-9 * torch.randn(
+        4, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    norm = RMSNorm(64, 1e-6).double()
+    with torch.no_grad():
+        out = norm(x)
+    expected = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, atol=1e-15, rtol=1e-14)
+    assert out.std(-1).min() > 1e-10  # the noise survives
+
+
 def test_rms_norm_is_layer_norm_without_centring_and_bias():
     torch.manual_seed(0)
     rms, layer = RMSNorm(16, 1e-5), LayerNorm(16, 1e-5)

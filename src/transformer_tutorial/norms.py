@@ -17,11 +17,11 @@ class RMSNorm(nn.Module):
 
     ``y = x / sqrt(mean(x**2) + eps) * weight``: LayerNorm without the centring (no mean is
     subtracted) and without the bias. As ``transformers``' ``LlamaRMSNorm``, the statistics are
-    computed in float32 whatever the input's dtype, the normalised ``x`` is cast back to that
-    dtype, and only then multiplied by ``weight`` (so a float32 ``weight`` on a bfloat16 input
-    gives a float32 output, as in Llama). ``torch.nn.RMSNorm`` (current releases) and Gemma
-    multiply by the weight before they round: in 16-bit the two orders differ by one rounding
-    step.
+    computed in float32 for 16-bit and float32 inputs, the normalised ``x`` is cast back to the
+    input's dtype, and only then multiplied by ``weight`` (so a float32 ``weight`` on a bfloat16
+    input gives a float32 output, as in Llama). A float64 input keeps float64 (Llama's drops to
+    float32 there). ``torch.nn.RMSNorm`` (current releases) and Gemma multiply by the weight
+    before they round: in 16-bit the two orders differ by one rounding step.
 
     Args:
         d_model: D, the number of features normalised together.
@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
-        x = x.float()  # float32 statistics even for 16-bit inputs
+        x = x.to(torch.promote_types(dtype, torch.float32))  # float32 at least, float64 kept
         x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
