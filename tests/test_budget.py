@@ -40,7 +40,7 @@ def test_elapsed_counts_the_earlier_sessions_too(clock):
 
 
 def test_the_last_step_in_time_is_measured_at_the_pace_of_the_recent_steps(clock):
-    limits = Budget(max_minutes=10.0)  # 600 s; a plan ends at 570
+    limits = Budget(max_minutes=10.0)  # 600 s; a plan ends at 582
     assert limits.last_step_in_time(0) is None  # nothing timed yet
     clock[0] = 20.0  # 20 steps in 20 s
     assert limits.last_step_in_time(20) == 20 + math.floor((1 - SAFETY) * 600 - 20)
@@ -54,13 +54,13 @@ def test_the_last_step_in_time_is_measured_at_the_pace_of_the_recent_steps(clock
 
 def test_a_plan_stays_within_the_recipe_and_after_the_warm_up(clock):
     decay = LinearDecay(warmup=10, total=100)
-    limits = Budget(max_minutes=1.0, decay=decay)  # a plan ends its steps at 57 s
+    limits = Budget(max_minutes=1.0, decay=decay)  # a plan ends its steps at 58.2 s
     limits.plan(0, steps=100)
     clock[0] = 4.0
-    limits.plan(4, steps=100)  # 1 s a step: 53 more
-    assert decay.total == 57
+    limits.plan(4, steps=100)  # 1 s a step: 54 more
+    assert decay.total == 4 + math.floor((1 - SAFETY) * 60 - 4) == 58
     clock[0] = 5.0
-    limits.plan(40, steps=100)  # 1/8 s a step: 40 + 416 would pass the recipe's end
+    limits.plan(40, steps=100)  # 1/8 s a step: 40 + 425 would pass the recipe's end
     assert decay.total == 100
     slow = LinearDecay(warmup=10, total=100)
     limits = Budget(max_minutes=1.0, decay=slow)
