@@ -43,6 +43,16 @@ def test_a_record_is_written_back_as_it_was_read(name):
     assert RunRecord.from_json(text).to_json() == text
 
 
+@pytest.mark.parametrize(
+    "path",
+    [RESULTS_RECORD, RESULTS_RECORD.parent / "h200_chapter10_record.json"],
+    ids=lambda p: p.name,
+)
+def test_committed_records_name_the_interpreter_python_not_its_path(path):
+    """What to run, not where the machine that ran it kept its virtual environment."""
+    assert RunRecord.load(path).command[:3] == ["python", "-m", "transformer_tutorial.train"]
+
+
 def test_a_record_survives_saving_and_loading(tmp_path):
     record = load_reference_record()
     record.save(tmp_path / "record.json")
@@ -79,6 +89,16 @@ def test_describe_run_shows_the_record_without_local_paths():
     assert f"{record.test2016.greedy.score:.2f} (lowercased" in text
     assert f"{record.epochs_completed} full epochs of" in text  # the reference ran > 1 epoch
     assert "1 full epoch of" in describe_run(replace(record, epochs_completed=1))
+
+
+def test_describe_run_says_when_a_time_limit_moved_the_schedules_end():
+    record = load_reference_record()  # 3,600 steps, the recipe's own: stopped by steps
+    assert "min of training (stopped by steps)\n" in describe_run(record)
+    shortened = replace(record, steps=2050)
+    assert (
+        "(stopped by steps: the schedule's end, moved from step 3,600 to fit the time limit)"
+        in describe_run(shortened)
+    )
 
 
 def test_a_record_written_before_averaging_existed_loads_with_best_pt_scored(tmp_path):

@@ -51,6 +51,15 @@ def test_help_explains_every_flag_and_states_the_true_defaults(capsys, help_entr
             assert str(defaults[dest]) == stated.group(1), invocation
 
 
+def test_the_record_names_the_interpreter_python_not_its_path(tmp_path, monkeypatch):
+    """A record says what to run, not where this machine keeps its virtual environment."""
+    given = {}
+    monkeypatch.setattr(train_cli, "run_experiment", lambda config, **kw: given.update(kw))
+    argv = ["--config", "tiny", "--out", str(tmp_path / "run"), "--max-steps", "1"]
+    assert train_cli.main(argv) == 0  # run_experiment's None: a rank that does not report
+    assert given["command"] == ["python", "-m", "transformer_tutorial.train", *argv]
+
+
 def test_refuses_to_overwrite_a_run_or_to_resume_another_recipe(tiny_checkpoint, capsys):
     run = str(tiny_checkpoint.parent)
     assert train_cli.main(["--config", "tiny", "--out", run]) == 1
@@ -81,7 +90,7 @@ def test_tiny_run_end_to_end_resumes_records_and_translates(multi30k_dir, tmp_pa
     record = json.loads((out / "record.json").read_text())
     assert record["steps"] == 5 and record["stopped_by"] == "max_steps"
     assert record["hardware"]["precision"] == "fp32"  # "auto", resolved once for the CPU
-    assert record["command"][1:] == ["-m", "transformer_tutorial.train", *again]
+    assert record["command"] == ["python", "-m", "transformer_tutorial.train", *again]
     # The resumed run scored the mean of its snapshots: step 5's alone, as a run of 5 steps
     # without a stop would (tiny checkpoints every 20 steps; step 3's was dropped on resuming).
     assert record["weights"] == "averaged.pt" and record["averaged"]["steps"] == [5]

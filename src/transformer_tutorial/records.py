@@ -251,10 +251,7 @@ def describe_run(record: RunRecord) -> str:
             f"{epochs} full epoch{'s' if epochs != 1 else ''} of "
             f"{record.train_pairs:,} pairs",
         ),
-        (
-            "time",
-            f"{record.train_time_s / 60:.1f} min of training (stopped by {record.stopped_by})",
-        ),
+        ("time", f"{record.train_time_s / 60:.1f} min of training (stopped by {_stop(record)})"),
         ("best", f"validation loss {record.best.val_loss:.3f} at step {record.best.step:,}"),
         *_scored_weights(record),
         ("wall time", f"{record.wall_time_s / 60:.1f} min in all, data and evaluation included"),
@@ -270,6 +267,14 @@ def describe_run(record: RunRecord) -> str:
         )
     lines.append(("signature", scores.greedy.signature))
     return "\n".join(f"{key:<12} {value}" for key, value in lines)
+
+
+def _stop(record: RunRecord) -> str:
+    """Why training stopped; for a schedule ended early by a time limit, from which step."""
+    recipe_steps = record.config.get("steps")
+    if record.stopped_by == "steps" and recipe_steps and record.steps < recipe_steps:
+        return f"steps: the schedule's end, moved from step {recipe_steps:,} to fit the time limit"
+    return record.stopped_by
 
 
 def _scored_weights(record: RunRecord) -> list[tuple[str, str]]:

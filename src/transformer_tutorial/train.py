@@ -193,12 +193,10 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions, Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; expected failures print one line and return 1 (130 on Ctrl-C)."""
     args = build_parser().parse_args(argv)
-    command = [
-        sys.executable,
-        "-m",
-        "transformer_tutorial.train",
-        *(sys.argv[1:] if argv is None else argv),
-    ]
+    # The interpreter as `python`, not its path (sys.executable): a record says what to run,
+    # not where this machine keeps its virtual environment.
+    command = ["python", "-m", "transformer_tutorial.train"]
+    command += sys.argv[1:] if argv is None else argv
     finished = False  # every rank waits for the others before leaving only after a clean run
     try:
         config, options, out_dir = _prepare(args)
