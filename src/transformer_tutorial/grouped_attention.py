@@ -275,10 +275,11 @@ class GroupedQueryAttention(nn.Module):
         self, B: int, L: int, S: int, seen: int, key_padding_mask: Tensor | None
     ) -> tuple[Tensor | None, bool]:
         """F.sdpa's ``attn_mask`` (True = attend) and ``is_causal``. Without padding, two
-        common cases need no mask tensor, and F.sdpa then takes its fastest kernel (on CUDA a
-        bool mask with grouped heads falls back to the slowest): a whole sequence, ``L == S``,
-        is plain causal attention (``is_causal=True``); one new token after the cache sees every
-        key the cache holds (it keeps at most ``window`` of them)."""
+        common cases need no mask tensor, which leaves F.sdpa every kernel (on CUDA,
+        FlashAttention takes no mask tensor, and a grouped call no fused kernel takes runs the
+        math path, which copies the keys and values): a whole sequence, ``L == S``, is plain
+        causal attention (``is_causal=True``); one new token after the cache sees every key the
+        cache holds (it keeps at most ``window`` of them)."""
         if key_padding_mask is None and (self.window is None or self.window >= S):
             if L == S and self.window is None:
                 return None, True
