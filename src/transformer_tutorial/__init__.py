@@ -9,12 +9,13 @@ The training side (chapter 10), one job a module, none of which the model import
 ``multi30k`` (the corpus's files and splits), ``data`` (tokenizer, batches), ``optim`` (loss,
 optimizer, schedule), ``configs`` (the named recipes), ``checkpoint`` (save, load, average),
 ``pair_loss`` (the loss on translation pairs), ``trainer`` (the loop), ``train_state`` (where
-training stands), ``run_folder`` (a run's files), ``runs`` (a whole run, the runs cache),
-``records`` (what a run was and how it went), ``provenance`` (where it ran, from which
-commit); ``decode`` (chapter 11: greedy, beam search, BLEU). The command lines are ``train`` and
-``translate``; ``runtime`` picks the device and seeds. Chapter 12 adds ``precision`` (fp32,
-bf16 or fp16 with loss scaling), ``distributed`` (many processes under ``torchrun``) and
-``dropout`` (dropout masks from a quarter of the random draws, on a CPU), which the trainer uses.
+training stands), ``budget`` (when it stops; the last step a time limit holds), ``run_folder``
+(a run's files), ``runs`` (a whole run, the runs cache), ``records`` (what a run was and how it
+went), ``provenance`` (where it ran, from which commit); ``decode`` (chapter 11: greedy, beam
+search, BLEU). The command lines are ``train`` and ``translate``; ``runtime`` picks the device
+and seeds. Chapter 12 adds ``precision`` (fp32, bf16 or fp16 with loss scaling),
+``distributed`` (many processes under ``torchrun``) and ``dropout`` (dropout masks from a
+quarter of the random draws, on a CPU), which the trainer uses.
 
 From 2017 to today (chapters 13–17), each modern change a small switchable piece:
 ``lm_config`` (the config, its choices and presets, imported by the rest), ``language_model``

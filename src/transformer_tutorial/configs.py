@@ -34,7 +34,8 @@ class TrainConfig:
     ``eval_size`` cut the training set and the test set used for BLEU (None: all);
     ``beam_size`` and ``alpha`` are the beam search that scores the run. With ``steps`` the run
     is that many optimizer steps long and its learning rate decays linearly to zero at the end
-    (:func:`~transformer_tutorial.optim.warmup_linear_decay`); without, it follows the paper's
+    (:class:`~transformer_tutorial.optim.LinearDecay`), or at the last step a time limit holds
+    when that comes first (:mod:`~transformer_tutorial.budget`); without, it follows the paper's
     inverse square root for ``epochs``. With ``average_last``
     above 1 the run is scored with the mean of the weights saved at its last ``average_last``
     checkpoints (every ``checkpoint_every`` steps, and the last step), as the paper scores its
@@ -162,7 +163,8 @@ CONFIGS = {
     # The CPU reference, an hour on 2 cores: the baseline's model (d_model 256, 3+3 layers) with
     # batches of 3,000 tokens and a 400-step warm-up. 3,600 steps fit an hour on 2 cores of the
     # build machine (the reference run: 57.0 min, 0.95 s a step with evaluation between epochs);
-    # the learning rate decays to zero just after the last of them. That is 23 epochs of
+    # the learning rate decays to zero just after the last of them (on a slower machine
+    # `--max-minutes 60` ends the decay at the last step the hour holds). That is 23 epochs of
     # Multi30k: at dropout 0.1 the validation loss turned up after 15, so 0.2. The mean of the
     # last 5 checkpoints (200 steps apart) is scored, as in the paper.
     "small": TrainConfig(
@@ -196,7 +198,9 @@ class RunOptions:
     """How to run a recipe, as opposed to what it is (:class:`TrainConfig`).
 
     Training stops after ``config.epochs`` epochs, ``max_steps`` optimizer steps in all, or
-    ``max_minutes`` of this call, whichever comes first. With ``resume`` it goes on from
+    ``max_minutes`` of this call, whichever comes first; for a recipe with ``steps``,
+    ``max_minutes`` also ends the learning rate's decay at the last step it holds, measured as
+    the run goes (:mod:`~transformer_tutorial.budget`). With ``resume`` it goes on from
     ``out_dir/last.pt`` exactly as if it had never stopped. ``precision`` is one of
     :data:`~transformer_tutorial.precision.PRECISIONS` (``"auto"``: bf16 or fp16 on a CUDA GPU,
     fp32 elsewhere); ``compile`` runs the training step's forward and backward through

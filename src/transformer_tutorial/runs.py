@@ -52,7 +52,7 @@ from transformer_tutorial.trainer import evaluate_loss, fit
 # the same model and the page's numbers hold on it, with a time limit for slow ones. On a CPU 600
 # steps of `chapter10` (a minute or two on 2 cores); on a GPU the reference recipe `small` for
 # its own 3,600 steps (minutes on a recent GPU, judged from an H200 run of an earlier recipe:
-# this one has not run on a GPU yet; the time limit cuts a slow one short).
+# this one has not run on a GPU yet; on a slow one the time limit ends its decay earlier).
 CHAPTER_STEPS = {"cuda": None, "cpu": 600}  # None: the recipe's own length
 CHAPTER_MINUTES = {"cuda": 10.0, "cpu": 10.0}
 
@@ -248,7 +248,8 @@ def train_for_chapter(
 
     On a CUDA GPU the reference recipe ``small``, its whole schedule, saved as run ``small``;
     elsewhere the reduced ``chapter10`` config for 600 steps, saved as ``chapter10``; either
-    stops early after ``max_minutes`` (default 10). An earlier run of that name is
+    stops early after ``max_minutes`` (default 10; ``small``'s decay then ends at the last step
+    that fits). An earlier run of that name is
     replaced. Returns the run's record, which also lies in ``runs_dir() / name / "record.json"``.
     """
     device = get_device(device)

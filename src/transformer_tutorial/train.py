@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-minutes",
         type=number_arg(low=0.0, low_open=True),
         default=None,
-        help="stop training after this many minutes, then checkpoint and evaluate",
+        help="stop training after this many minutes, then checkpoint and evaluate; a recipe "
+        "with a length (small) that the time cannot hold ends its learning-rate decay at the "
+        "last step that fits, measured as it runs",
     )
     parser.add_argument(
         "--max-steps",
