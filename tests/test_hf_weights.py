@@ -6,6 +6,8 @@ initialisation sets the norms to 1, which would hide a norm copied to the wrong 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -23,6 +25,7 @@ from transformer_tutorial.hf_weights import (
 )
 from transformer_tutorial.language_model import LanguageModel
 from transformer_tutorial.lm_config import LLAMA, QWEN3, LMConfig
+from transformer_tutorial.rope_scaling import RopeScaling
 from transformer_tutorial.sampling import generate
 
 V, B, T = 50, 3, 16  # helpers.lm_config's vocabulary and positions
@@ -209,7 +212,23 @@ def test_configs_llama_and_qwen3_cannot_express_are_refused(kind, changes, phras
     ("changes", "phrase"),
     [
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope_type='dynamic' recomputes the frequencies",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
+            "rope_type must be one of",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor=0.5: LlamaConfig's models rotate whole heads",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 0.5}},
+            "factor must be at least 1.0",
+        ),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": None}}, "needs factor"),
         ({"attention_bias": True}, "attention_bias and mlp_bias must agree"),
     ],
 )
@@ -239,3 +258,104 @@ def test_llama_models_of_other_sizes_are_refused(changes, phrase):
 def test_the_other_family_is_refused():
     ours = LanguageModel(modern("qwen3"))
     raises(lambda: copy_from_llama(ours, theirs("qwen3", ours.config)), TypeError, "a Llama")
+
+
+# Rope scaling (chapter 18): trained length L = 32, read at 3L = 96. A head width of 16 (8 pairs)
+# puts pairs in every band: with base 10000 pair 0 turns 5 times over L, pair 1 1.6 times, the
+# rest under once, so llama3 keeps, blends and divides, and yarn's ramp runs from pair 0 to 2.
+ROPE_LEN, LONG = 32, 96
+SCALED = {
+    "linear": dict(rope_type="linear", factor=4.0),
+    "llama3": dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0),
+    "yarn": dict(rope_type="yarn", factor=4.0),
+    "yarn-betas-attention-factor": dict(
+        rope_type="yarn", factor=4.0, beta_fast=8.0, beta_slow=0.5, attention_factor=1.3
+    ),
+    "yarn-mscale-untruncated": dict(
+        rope_type="yarn", factor=4.0, mscale=0.707, mscale_all_dim=1.0, truncate=False
+    ),
+}
+SCALED_CASES = [("llama", name) for name in SCALED] + [("qwen3", "yarn")]
+
+
+def scaled(kind: str, name: str, **changes) -> LMConfig:
+    parameters = dict(SCALED[name])
+    if parameters["rope_type"] != "linear":
+        parameters["original_max_position_embeddings"] = ROPE_LEN
+    scaling = RopeScaling.from_parameters(parameters)
+    return modern(kind, d_head=16, max_len=4 * ROPE_LEN, rope_scaling=scaling, **changes)
+
+
+def long_ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, V, (B, LONG), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("kind", "name"), SCALED_CASES)
+def test_scaled_rope_gives_their_logits_past_the_trained_length(kind, name):
+    """Their config from ours maps back to ours; copied weights give their logits at 96
+    positions, three times L; the same weights without our scaling do not."""
+    config = scaled(kind, name)
+    assert lm_config_from_llama(HF[kind][1](config)) == config
+    ref = theirs(kind, config, seed=7)
+    ours = LanguageModel(config).eval()
+    unscaled = LanguageModel(dataclasses.replace(config, rope_scaling=None)).eval()
+    HF[kind][3](ours, ref)
+    unscaled.load_state_dict(ours.state_dict())  # only the rotary tables differ
+    x = long_ids(7)
+    with torch.no_grad():
+        expected, got = ref(x).logits, ours(x)
+        torch.testing.assert_close(got, expected, atol=MODERN_ATOL, rtol=RTOL)
+        assert (unscaled(x) - expected)[:, ROPE_LEN:].abs().max() > 100 * MODERN_ATOL
+
+
+@pytest.mark.parametrize(("kind", "name"), SCALED_CASES)
+def test_scaled_rope_decodes_as_their_generate_with_and_without_padding(kind, name):
+    """Greedy with our cache equals generate(): from a prompt of 40 to 96 tokens; and for a
+    batch left-padded by 0, 10 and 20 positions, with their attention mask."""
+    ref = theirs(kind, scaled(kind, name), seed=8)
+    ours = LanguageModel(scaled(kind, name)).eval()
+    HF[kind][3](ours, ref)
+    prompt = long_ids(8)[:, :40]
+    options = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = ref.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=LONG - 40, **options
+    )
+    assert torch.equal(generate(ours, prompt, LONG - 40, greedy=True), expected)
+    padding = torch.arange(40) < torch.tensor([[0], [10], [20]])  # (B, 40), True at padding
+    prompt = prompt.masked_fill(padding, 0)
+    expected = ref.generate(prompt, attention_mask=(~padding).long(), max_new_tokens=48, **options)
+    assert torch.equal(greedy_left_padded(ours, prompt, padding, 48), expected)
+
+
+def test_a_llama_3_1_rope_dict_maps_to_our_scaling():
+    """As Llama 3.1's config.json writes it (an old ``"type"`` key read too)."""
+    rope = dict(
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+        rope_type="llama3",
+        rope_theta=500000.0,
+    )
+    ours = lm_config_from_llama(LlamaConfig(max_position_embeddings=131072, rope_parameters=rope))
+    assert ours.rope_base == 500000.0
+    assert ours.rope_scaling == RopeScaling(
+        "llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+    old = LlamaConfig(rope_scaling={"type": "linear", "factor": 2.0})
+    assert lm_config_from_llama(old).rope_scaling == RopeScaling("linear", factor=2.0)
+
+
+def test_scalings_that_differ_are_refused_when_copying():
+    ours = LanguageModel(scaled("llama", "yarn"))
+    other = theirs("llama", scaled("llama", "yarn-betas-attention-factor"))
+    raises(lambda: copy_from_llama(ours, other), ValueError, "rope_parameters: ours")
+    raises(
+        lambda: llama_config(modern("llama", partial_rotary_factor=0.5)),
+        ValueError,
+        "set partial_rotary_factor=1.0",
+    )

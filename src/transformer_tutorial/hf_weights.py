@@ -7,7 +7,10 @@ their weights are ``nn.Linear``'s as ours, one matrix per projection, and their 
 ours (half-split), so every pair is a rename: :data:`LLAMA_NAMES`. Qwen3 adds the per-head
 ``q_norm``/``k_norm`` weights, and its sliding window (all layers, ``max_window_layers=0``).
 Both directions read the one table; settings that are not weights must already agree, and a
-clear error names each that does not.
+clear error names each that does not. Their ``rope_parameters`` map to ``rope_base`` and
+chapter 18's ``rope_scaling`` (``"linear"``, ``"llama3"``, ``"yarn"``); neither model rotates
+part of a head (their default rope ignores ``partial_rotary_factor``, their scaled ones fail on
+it), so ours keeps ``partial_rotary_factor=1``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from transformer_tutorial.language_model import LanguageModel
 from transformer_tutorial.lm_config import LLAMA, QWEN3, LMConfig
+from transformer_tutorial.rope_scaling import REFUSED, RopeScaling
 
 # Our names → theirs, per layer (``layers.i.`` → ``model.layers.i.``) and outside the layers.
 LLAMA_NAMES = {
@@ -54,6 +58,24 @@ LLAMA_MATCHING = (
 HFLlama = LlamaForCausalLM | Qwen3ForCausalLM
 
 
+def _rope_parameters(config: LMConfig) -> dict:
+    """Their ``rope_parameters`` for our ``rope_base`` and ``rope_scaling``."""
+    scaling = config.rope_scaling or RopeScaling()
+    return scaling.to_parameters() | {"rope_theta": config.rope_base}
+
+
+def _rope_settings(parameters: dict | None) -> tuple[float, RopeScaling | None, float]:
+    """``(rope_theta, RopeScaling, partial_rotary_factor)`` of their ``rope_parameters``: two
+    dicts that spell the same rotation alike (defaults written out or not) compare equal."""
+    rope = dict(parameters or {})
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in REFUSED:
+        raise ValueError(REFUSED[kind])
+    theta = float(rope.get("rope_theta", 10000.0))
+    partial = float(rope.get("partial_rotary_factor") or 1.0)
+    return theta, RopeScaling.from_parameters(rope), partial
+
+
 def _require(config: LMConfig, required: dict, model: str) -> None:
     wrong = [f"{k}={v!r}" for k, v in required.items() if getattr(config, k) != v]
     if wrong:
@@ -73,7 +95,7 @@ def _shared_fields(config: LMConfig) -> dict:
         max_position_embeddings=config.max_len,
         rms_norm_eps=config.layer_norm_eps,
         tie_word_embeddings=config.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_base},
+        rope_parameters=_rope_parameters(config),
         attention_dropout=config.dropout,
         hidden_act="silu",
         bos_token_id=None,
@@ -86,7 +108,9 @@ def llama_config(config: LMConfig) -> LlamaConfig:
     """The ``LlamaConfig`` of the model our ``config`` builds (``bias`` → ``attention_bias`` and
     ``mlp_bias``); an error naming every field to change if ours is not Llama's kind."""
     required = {k: v for k, v in LLAMA.items() if k not in ("bias", "tie_embeddings")}
-    _require(config, dict(required, qk_norm=False, window=None), "Llama")
+    _require(
+        config, dict(required, qk_norm=False, window=None, partial_rotary_factor=1.0), "Llama"
+    )
     return LlamaConfig(**_shared_fields(config), attention_bias=config.bias, mlp_bias=config.bias)
 
 
@@ -95,7 +119,7 @@ def qwen3_config(config: LMConfig) -> Qwen3Config:
     layer (``max_window_layers=0``). An error names every field to change if ours is not
     Qwen3's kind (its feed-forward has no biases: ``bias=False``)."""
     required = {k: v for k, v in QWEN3.items() if k != "tie_embeddings"}
-    _require(config, required, "Qwen3")
+    _require(config, dict(required, partial_rotary_factor=1.0), "Qwen3")
     return Qwen3Config(
         **_shared_fields(config),
         attention_bias=False,
@@ -107,13 +131,16 @@ def qwen3_config(config: LMConfig) -> Qwen3Config:
 
 def lm_config_from_llama(config: LlamaConfig | Qwen3Config) -> LMConfig:
     """Our :class:`LMConfig` for a ``LlamaConfig`` or a ``Qwen3Config`` (``dropout``: its
-    ``attention_dropout``; Llama has no other)."""
+    ``attention_dropout``; Llama has no other). Rope types ``"default"``, ``"linear"``,
+    ``"llama3"`` and ``"yarn"`` map to ``rope_scaling``; others are refused, naming them."""
     qwen3 = isinstance(config, Qwen3Config)
-    rope = config.rope_parameters or {}
-    if config.hidden_act != "silu" or rope.get("rope_type", "default") != "default":
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r}: ours maps only SwiGLU ('silu')")
+    rope_base, rope_scaling, partial = _rope_settings(config.rope_parameters)
+    if partial != 1.0:
         raise ValueError(
-            f"hidden_act={config.hidden_act!r}, rope_type={rope.get('rope_type')!r}: ours maps "
-            "only SwiGLU ('silu') and unscaled rotary positions ('default')"
+            f"partial_rotary_factor={partial}: {type(config).__name__}'s models rotate whole "
+            "heads (their default rope ignores the factor, their scaled ones fail on it)"
         )
     bias = config.attention_bias
     if not qwen3 and config.mlp_bias != bias:
@@ -136,7 +163,8 @@ def lm_config_from_llama(config: LlamaConfig | Qwen3Config) -> LMConfig:
             bias=bias,
             tie_embeddings=config.tie_word_embeddings,
         ),
-        rope_base=float(rope.get("rope_theta", 10000.0)),
+        rope_base=rope_base,
+        rope_scaling=rope_scaling,
         n_kv_heads=config.num_key_value_heads,
         d_head=None if config.head_dim == config.hidden_size // heads else config.head_dim,
         window=window,
@@ -150,7 +178,7 @@ def _llama_pairs(ours: LanguageModel, theirs: HFLlama) -> Iterator[tuple[str, Te
     wrong = [
         f"{k}: ours {getattr(expected, k)!r}, theirs {getattr(theirs.config, k)!r}"
         for k in LLAMA_MATCHING
-        if getattr(expected, k, None) != getattr(theirs.config, k, None)
+        if _setting(expected, k) != _setting(theirs.config, k)
     ]
     if wrong:
         raise ValueError("the two models differ in " + "; ".join(wrong))
@@ -166,6 +194,11 @@ def _llama_pairs(ours: LanguageModel, theirs: HFLlama) -> Iterator[tuple[str, Te
         if name == "lm_head.weight" and ours.config.tie_embeddings:
             continue  # the embedding, already copied
         yield their_name, mine_p, theirs.get_parameter(their_name)
+
+
+def _setting(config: LlamaConfig | Qwen3Config, key: str) -> object:
+    value = getattr(config, key, None)
+    return _rope_settings(value) if key == "rope_parameters" else value
 
 
 def _copy_llama(ours: LanguageModel, theirs: HFLlama, *, to_theirs: bool) -> None:

@@ -21,6 +21,7 @@ from transformer_tutorial.checks import (
 )
 from transformer_tutorial.feed_forward import FEED_FORWARDS
 from transformer_tutorial.norms import NORMS
+from transformer_tutorial.rope_scaling import REFUSED, RopeScaling, rotary_width
 
 # The choices of lm_pieces' two factories of their own.
 POSITIONS = ("learned", "sinusoidal", "rope")
@@ -40,7 +41,10 @@ class LMConfig:
     the token embedding matrix; ``scale_embeddings`` multiplies embeddings by √D as the 2017
     paper does (GPT-2 does not). ``layer_norm_eps`` is every norm's epsilon (LayerNorm's or
     RMSNorm's). ``rope_base`` is the base of rotary positions' angles (``rope_theta`` in
-    ``transformers``).
+    ``transformers``); with ``positions="rope"`` only, ``rope_scaling`` changes their
+    frequencies (chapter 18's :class:`~transformer_tutorial.rope_scaling.RopeScaling`, None:
+    unchanged) and ``partial_rotary_factor`` rotates the first ``int(Dh · factor)``
+    coordinates of each head (GPT-NeoX; 1: all).
 
     With ``attention="gqa"`` only: ``n_kv_heads`` key/value heads (None: ``n_heads``), a head
     width ``d_head`` of its own (None: ``d_model // n_heads``), ``qk_norm`` (Qwen3) and a
@@ -64,6 +68,8 @@ class LMConfig:
     tie_embeddings: bool = True
     scale_embeddings: bool = False
     rope_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    partial_rotary_factor: float = 1.0
     n_kv_heads: int | None = None
     d_head: int | None = None
     qk_norm: bool = False
@@ -84,6 +90,24 @@ class LMConfig:
         for name in ("norm_first", "bias", "tie_embeddings", "scale_embeddings", "qk_norm"):
             check_bool(name, getattr(self, name))
         self._check_heads()
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        scaled = self.rope_scaling is not None or self.partial_rotary_factor != 1.0
+        if scaled and self.positions != "rope":
+            raise ValueError(
+                "rope_scaling and partial_rotary_factor change rotary positions: set "
+                f"positions='rope' (got {self.positions!r})"
+            )
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(
+                f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}; from "
+                "transformers' rope_parameters: RopeScaling.from_parameters(...)"
+            )
+        if self.rope_scaling is not None and self.rope_scaling.rope_type in REFUSED:
+            raise ValueError(REFUSED[self.rope_scaling.rope_type])
+        if self.positions == "rope":
+            rotary_width(self.head_dim, self.partial_rotary_factor)
 
     def _check_heads(self) -> None:
         if self.attention == "mha":

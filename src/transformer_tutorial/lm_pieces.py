@@ -22,7 +22,7 @@ from transformer_tutorial.grouped_attention import GroupedQueryAttention
 from transformer_tutorial.layers import FeedForward
 from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.norms import build_norm
-from transformer_tutorial.rotary import RotaryPositions
+from transformer_tutorial.rope_scaling import scaled_rotary
 
 
 def make_norm(config: LMConfig) -> nn.Module:
@@ -47,13 +47,20 @@ def make_attention(config: LMConfig) -> MultiHeadAttention | GroupedQueryAttenti
     ``project_qkv(x)`` and ``attend_heads(q, kv, attn_mask=...)``. ``"gqa"``: chapter 16's
     :class:`GroupedQueryAttention` with ``n_kv_heads`` key/value heads, QK-norm, a sliding
     ``window`` and, with ``positions="rope"``, chapter 15's rotation of queries and keys as its
-    position hook; it builds its own mask and keeps its own cache.
+    position hook (with chapter 18's ``rope_scaling`` and ``partial_rotary_factor``); it builds
+    its own mask and keeps its own cache.
     """
     if config.attention == "mha":
         return MultiHeadAttention(config.d_model, config.n_heads, config.dropout, bias=config.bias)
     rotary = None
     if config.positions == "rope":
-        rotary = RotaryPositions(config.head_dim, max_len=config.max_len, base=config.rope_base)
+        rotary = scaled_rotary(
+            config.head_dim,
+            max_len=config.max_len,
+            base=config.rope_base,
+            scaling=config.rope_scaling,
+            partial_rotary_factor=config.partial_rotary_factor,
+        )
     return GroupedQueryAttention(
         config.d_model,
         config.n_heads,

@@ -151,7 +151,8 @@ class RopeScaling:
     def to_parameters(self) -> dict:
         """The inverse of :meth:`from_parameters`: only the fields ``rope_type`` reads."""
         reads = _REQUIRED[self.rope_type] + _OPTIONAL.get(self.rope_type, ())
-        return {"rope_type": self.rope_type} | {k: getattr(self, k) for k in reads}
+        chosen = {k: getattr(self, k) for k in reads if getattr(self, k) is not None}
+        return {"rope_type": self.rope_type} | chosen
 
 
 def yarn_attention_factor(scaling: RopeScaling) -> float:
