@@ -1,7 +1,8 @@
-"""Chapter 16: grouped-query attention equals PyTorch's ``enable_gqa`` attention and the paper's
-multi-head attention on repeated key/value heads; with QK-norm, rotary positions and a sliding
-window it equals ``transformers``' ``Qwen3Attention``; cached decoding, one token at a time and
-past the window, equals recomputing the whole sequence; the cache's bytes are the formula's.
+"""Chapter 16: grouped-query attention equals attention written out and the paper's multi-head
+attention on repeated key/value heads; with QK-norm, rotary positions and a sliding window it
+equals ``transformers``' ``Qwen3Attention`` under the masks ``transformers`` builds from the
+config (also with wide heads and left padding); cached decoding, one token at a time and past
+the window, equals recomputing the whole sequence; the cache's storage is the formula's bytes.
 
 Every comparison runs in float32 (atol 1e-5, rtol 1e-5) on random weights; nothing downloaded.
 """
