@@ -1,8 +1,8 @@
 """Chapter 17: the 2017/GPT-2-style and the Llama-style language model, trained for the same
-time on the English side of Multi30k.
+wall-clock time on the English side of Multi30k.
 
 :data:`COMPARED` holds the two configurations: chapter 13's model, and the same sizes with
-Llama's choices (RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases) with
+Llama 3's choices (RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases) with
 the feed-forward widened so that both hold the same number of weights (within 0.2%). Both keep
 the embeddings tied and the same dropout: at this size an output layer of its own would be
 nearly half the weights. :func:`train_for` trains one for a budget of seconds with one recipe
@@ -96,13 +96,15 @@ def train_for(
     warmup: int = 30,
     seed: int = 0,
 ) -> dict:
-    """Train ``model`` for ``seconds`` of training time (validation not counted), or
+    """Train ``model`` for ``seconds`` of wall-clock training time (validation not counted), or
     ``max_steps`` steps if that comes first, with chapter 13's recipe; the learning rate decays
     linearly to 10% over the budget (the time, or the steps), and the validation loss is
     measured ``evaluations`` times along it.
 
     Returns ``{"steps", "tokens", "train_seconds", "cpu_seconds", "val": [[seconds, step,
-    loss], ...], "train": [mean loss of each block of steps between evaluations]}``.
+    loss], ...], "train": [mean loss of each block of steps between evaluations]}``;
+    ``cpu_seconds`` is the process's CPU time over the loop, validations included (on a shared
+    machine, what the wall-clock budget actually bought).
     """
     check_number("seconds", seconds, low=0.0, low_open=True)
     check_int("evaluations", evaluations, at_least=1)
