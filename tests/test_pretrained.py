@@ -168,6 +168,22 @@ def test_openai_gpt2_files_load_without_prefix_and_with_their_masks(tmp_path):
     torch.testing.assert_close(logits(load_pretrained(tmp_path), x), logits(ref, x))
 
 
+def test_a_config_in_the_older_style_of_downloaded_files_loads(tmp_path):
+    """Files written before transformers 5 (Qwen3's and Llama 3.2's releases) say rope_theta,
+    rope_scaling: null and torch_dtype, and Qwen3's keep max_window_layers with the window off."""
+    folder = their_folder(tmp_path, "qwen3", tie=True, dtype=torch.bfloat16)
+    edit_config(folder, rope_parameters=None, dtype=None, layer_types=None)
+    edit_config(folder, rope_theta=1000000, rope_scaling=NULL, torch_dtype="bfloat16")
+    edit_config(folder, max_window_layers=28, use_sliding_window=False, sliding_window=NULL)
+    config = json.loads((folder / CONFIG).read_text())
+    assert "rope_parameters" not in config and config["rope_scaling"] is None
+    ours = load_pretrained(folder, dtype=torch.float32)
+    assert ours.config.rope_base == 1e6 and ours.config.window is None
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = ids(6)
+    torch.testing.assert_close(logits(ours, x), logits(ref, x), atol=ATOL, rtol=RTOL)
+
+
 def test_read_config_gives_our_config(tmp_path):
     folder = their_folder(tmp_path, "qwen3", tie=True)
     assert read_config(folder) == lm_config(**OURS["qwen3"] | dict(tie_embeddings=True))
@@ -179,15 +195,18 @@ def shard(folder: Path, i: int) -> Path:
 
 
 def edit_config(folder: Path, **changes) -> None:
-    """Change (None: remove) fields of a folder's config.json."""
+    """Change fields of a folder's config.json; None removes a field, NULL writes null."""
     path = folder / CONFIG
     config = json.loads(path.read_text())
     for k, v in changes.items():
         if v is None:
             config.pop(k)
         else:
-            config[k] = v
+            config[k] = None if v is NULL else v
     path.write_text(json.dumps(config))
+
+
+NULL = object()
 
 
 def edit_tensors(path: Path, **changes) -> None:

@@ -270,7 +270,9 @@ def _tie(state: dict[str, Tensor], skeleton: nn.Module, folder: Path) -> None:
     embed = next(k for k, p in skeleton.named_parameters() if p is table)
     if HEAD in state and not torch.equal(state[HEAD], state[embed]):
         raise ValueError(
-            f"{folder}: tie_word_embeddings is true in {CONFIG}, but {HEAD} differs from {embed}"
+            f"{folder}: tie_word_embeddings is true in {CONFIG}, but the stored {HEAD} differs "
+            f"from {embed}; set it to false if the output layer is its own (transformers then "
+            "keeps the two apart)"
         )
     state[HEAD] = state[embed]
 
