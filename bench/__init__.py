@@ -7,11 +7,12 @@ process.
 
 Sections:
   1. train step (forward, label-smoothed loss, backward, Adam): throughput ours ÷ nn.Transformer,
-     eager, and compiled vs compiled (``torch.compile``, with its compile time), for the models
-     of the ``small`` and ``base`` recipes at source/target lengths 16, 32 and 64; beside it the
-     model FLOPs utilisation (MFU) of each: FLOPs counted by ``FlopCounterMode`` per second,
-     divided by the matrix-multiply peak measured in the same run (on a GPU also by the data
-     sheet's peak);
+     eager (ours with the trainer's cheap dropout masks, ``dropout.with_cheap_dropout``, on a
+     CPU where they pay: the table and plot then say so), and compiled vs compiled
+     (``torch.compile``, with its compile time), for the models of the ``small`` and ``base``
+     recipes at source/target lengths 16, 32 and 64; beside it the model FLOPs utilisation
+     (MFU) of each: FLOPs counted by ``FlopCounterMode`` per second, divided by the
+     matrix-multiply peak measured in the same run (on a GPU also by the data sheet's peak);
   2. inference forward, the same ratio;
   3. greedy decoding of 16–128 tokens, KV cache ÷ recomputing the prefix every step;
   4. beam 5 vs greedy, sentences/s on test2016, with a trained checkpoint if one is cached;

@@ -18,7 +18,12 @@ from transformer_tutorial.allocator import keep_freed_memory
 
 # (title, key in the results or None to merge the section's dict, the section)
 SECTIONS = (
-    ("1-2. train step (with MFU) and forward, ours vs nn.Transformer", None, bench_models),
+    (
+        "1-2. train step (with MFU) and forward, ours (cheap dropout masks where they pay, as "
+        "the trainer) vs nn.Transformer",
+        None,
+        bench_models,
+    ),
     ("3. greedy decoding, KV cache vs recompute", "decode", bench_decoding),
     ("4. beam 5 vs greedy on test2016", "beam", bench_beam),
     ("5. attention alone, written out vs fused", "attention", bench_attention),

@@ -11,6 +11,22 @@ import torch
 TABLE_KINDS = (("train_step", "train"), ("forward", "forward"), ("compiled", "compiled"))
 
 
+def ours_name(results: dict) -> str:
+    """Our side's name in the table and the plot: with its dropout masks where they are the
+    cheap ones (``transformer_tutorial.dropout.with_cheap_dropout``), as the trainer's."""
+    return "ours (cheap dropout masks)" if results["ours_cheap_dropout"] else "ours"
+
+
+def _dropout_legend(results: dict) -> str:
+    if not results["ours_cheap_dropout"]:
+        return "dropout: nn.Dropout on both sides"
+    return (
+        "dropout: ours eager draws its masks as the trainer does on this CPU, from a quarter of "
+        "the random draws, the attention weights' included (dropout.with_cheap_dropout); "
+        "compiled rows and nn.Transformer use nn.Dropout"
+    )
+
+
 def _mfu(row: dict, suffix: str = "") -> str:
     if f"ours_mfu{suffix}" not in row:
         return "-"
@@ -29,7 +45,11 @@ def _mfu_legend(peaks: dict) -> str:
 def print_table(results: dict) -> None:
     """Each row's medians, throughput ratio, MFU (ours/nn.Transformer) and spread."""
     sheet = results["peaks"]["datasheet_flop_per_s"] is not None
-    print("\nthroughput ratio ours ÷ nn.Transformer (> 1: ours faster), median wall clock")
+    print(
+        f"\nthroughput ratio {ours_name(results)} ÷ nn.Transformer (> 1: ours faster), "
+        "median wall clock"
+    )
+    print(_dropout_legend(results))
     print(_mfu_legend(results["peaks"]))
     header = f"{'':8}{'config':<7}{'L':>4}{'ours ms':>10}{'torch ms':>10}{'ratio':>7}{'MFU':>14}"
     print(header + (f"{'MFU sheet':>14}" if sheet else "") + f"{'spread':>14}")
@@ -76,7 +96,10 @@ def _plot_ratios(ax, results: dict) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(list(x), [f"{r['config']}\nL={r['length']}" for r in rows])
     ax.set_ylabel("throughput, ours ÷ nn.Transformer")
-    ax.set_title("eager, median of interleaved runs")
+    masks = (
+        "\nours with the trainer's cheap dropout masks" if results["ours_cheap_dropout"] else ""
+    )
+    ax.set_title(f"eager, median of interleaved runs{masks}")
     ax.legend()
 
 

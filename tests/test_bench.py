@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformer_tutorial.dropout import cheap_masks_pay
+from transformer_tutorial.records import load_reference_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -75,13 +78,17 @@ def _check_mfu(results: dict, out: str) -> None:
             achieved = 1e9 * r[f"{side}_gflop"] / (r[f"{side}_ms"] / 1e3)
             assert r[f"{side}_mfu"] == pytest.approx(achieved / peaks["matmul"]["flop_per_s"])
     assert all("ours_mfu" not in r for r in results["forward"])
-    table = out[out.index("throughput ratio ours ÷ nn.Transformer") :].splitlines()
-    assert table[1].startswith("MFU ours/nn.Transformer: counted FLOP/s ÷ the float32")
+    # Ours trains as the trainer does on this CPU, and the table's title says with which masks.
+    assert results["ours_cheap_dropout"] == cheap_masks_pay(torch.device("cpu"))
+    ours = "ours (cheap dropout masks)" if results["ours_cheap_dropout"] else "ours"
+    table = out[out.index(f"throughput ratio {ours} ÷ nn.Transformer") :].splitlines()
+    assert table[1].startswith("dropout: ")
+    assert table[2].startswith("MFU ours/nn.Transformer: counted FLOP/s ÷ the float32")
     columns = ["config", "L", "ours", "ms", "torch", "ms", "ratio", "MFU", "spread"]
-    assert table[2].split() == columns
+    assert table[3].split() == columns
     first = results["train_step"][0]
     # ours/nn.Transformer, in percent
-    assert table[3].split()[6] == f"{first['ours_mfu']:.1%}/{first['torch_mfu']:.1%}"
+    assert table[4].split()[6] == f"{first['ours_mfu']:.1%}/{first['torch_mfu']:.1%}"
 
 
 def _check_llama(results: dict, out: str) -> None:
@@ -100,6 +107,26 @@ def _check_llama(results: dict, out: str) -> None:
     lines = table.splitlines()[2:4]
     assert [line.split()[0] for line in lines] == ["train", "generate"]
     assert all(line.endswith("same") for line in lines)
+
+
+@pytest.mark.parametrize("cheap", [True, False])
+def test_the_table_and_plot_say_when_ours_trains_with_the_cheap_dropout_masks(
+    bench, capsys, cheap
+):
+    """The committed results (ours with dropout.with_cheap_dropout's masks, on an AMD CPU) and
+    the same results as if ours had used nn.Dropout: the labels name the masks ours used."""
+    from matplotlib.figure import Figure
+
+    results = {**load_reference_bench(), "ours_cheap_dropout": cheap}
+    bench.report.print_table(results)
+    table = capsys.readouterr().out.splitlines()
+    ours = "ours (cheap dropout masks)" if cheap else "ours"
+    assert table[1].startswith(f"throughput ratio {ours} ÷ nn.Transformer")
+    assert ("dropout.with_cheap_dropout" in table[2]) == cheap
+    ax = Figure().subplots()
+    bench.report._plot_ratios(ax, results)
+    assert ("ours with the trainer's cheap dropout masks" in ax.get_title()) == cheap
+    assert load_reference_bench()["ours_cheap_dropout"]  # the committed run's, labelled
 
 
 def test_llama_pair_computes_the_same_and_its_checks_see_a_difference(bench):
