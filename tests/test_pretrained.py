@@ -30,6 +30,7 @@ from transformer_tutorial.pretrained import (
     read_config,
     save_pretrained,
 )
+from transformer_tutorial.rope_scaling import RopeScaling
 from transformer_tutorial.sampling import generate
 
 V, B, T = 50, 3, 16  # helpers.lm_config's vocabulary and positions
@@ -181,6 +182,60 @@ def test_a_config_in_the_older_style_of_downloaded_files_loads(tmp_path):
     assert ours.config.rope_base == 1e6 and ours.config.window is None
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     x = ids(6)
+    torch.testing.assert_close(logits(ours, x), logits(ref, x), atol=ATOL, rtol=RTOL)
+
+
+# Chapter 18's rope types, trained length 32 read at 96; a head width of 16 puts pairs in every
+# band (as test_hf_weights' scaled models).
+ROPE_LEN = 32
+SCALINGS = {
+    "linear": dict(rope_type="linear", factor=4.0),
+    "llama3": dict(
+        rope_type="llama3",
+        factor=4.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=ROPE_LEN,
+    ),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=ROPE_LEN),
+}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("rope", SCALINGS)
+def test_scaled_rope_folders_give_their_logits_past_the_trained_length_both_ways(
+    rope, kind, tmp_path
+):
+    scaling = RopeScaling.from_parameters(SCALINGS[rope])
+    config = lm_config(**OURS[kind] | dict(d_head=16, max_len=4 * ROPE_LEN, rope_scaling=scaling))
+    ref = randomized(FAMILIES[kind].model_class(FAMILIES[kind].to_theirs(config)), 8)
+    ref.save_pretrained(tmp_path / "theirs")
+    ours = load_pretrained(tmp_path / "theirs")
+    assert ours.config == config
+    x = torch.randint(0, V, (B, 3 * ROPE_LEN), generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(logits(ours, x), logits(ref, x), atol=ATOL, rtol=RTOL)
+    save_pretrained(ours, tmp_path / "ours")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    torch.testing.assert_close(logits(again, x), logits(ours, x), atol=ATOL, rtol=RTOL)
+
+
+def test_a_llama_3_2_style_config_loads_with_its_rope_scaling(tmp_path):
+    """Llama 3.2's config.json (written before transformers 5): rope_theta 500000 and a
+    rope_scaling of type llama3 from 8,192 positions to 131,072, tied embeddings."""
+    folder = their_folder(tmp_path, "llama", tie=True, dtype=torch.bfloat16)
+    edit_config(folder, rope_parameters=None, dtype=None, max_position_embeddings=131072)
+    rope_scaling = dict(
+        factor=32.0,
+        high_freq_factor=4.0,
+        low_freq_factor=1.0,
+        original_max_position_embeddings=8192,
+        rope_type="llama3",
+    )
+    edit_config(folder, rope_theta=500000.0, rope_scaling=rope_scaling, torch_dtype="bfloat16")
+    ours = load_pretrained(folder, dtype=torch.float32)
+    assert ours.config.rope_base == 500000.0 and ours.config.rope_scaling.rope_type == "llama3"
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = ids(7)
     torch.testing.assert_close(logits(ours, x), logits(ref, x), atol=ATOL, rtol=RTOL)
 
 
