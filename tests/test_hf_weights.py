@@ -120,6 +120,22 @@ def test_greedy_generation_with_our_cache_equals_their_generate(kind, changes):
     assert torch.equal(generate(ours, prompt, T - 3, greedy=True), expected)
 
 
+def test_a_prompt_longer_than_the_window_decodes_as_their_generate():
+    """A prompt of 8 under a window of 4: the prompt itself is cut by the window. Their model
+    builds the window's mask and cache itself; without the window its tokens differ, so the
+    window is in force on their side too."""
+    config = modern("qwen3", window=4)
+    ref = theirs("qwen3", config, seed=8)
+    ours = LanguageModel(config).eval()
+    copy_from_qwen3(ours, ref)
+    prompt = ids(8)[:, :8]
+    kwargs = dict(max_new_tokens=T - 8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = ref.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+    assert torch.equal(generate(ours, prompt, T - 8, greedy=True), expected)
+    unwindowed = theirs("qwen3", modern("qwen3"), seed=8)  # the same weights
+    assert not torch.equal(unwindowed.generate(prompt, **kwargs), expected)
+
+
 def greedy_left_padded(model: LanguageModel, prompt, padding_mask, n: int) -> torch.Tensor:
     """Greedy decoding of a left-padded batch with our cache: the mask grows with each token."""
     logits, cache = model.step(prompt, padding_mask=padding_mask)
@@ -132,12 +148,17 @@ def greedy_left_padded(model: LanguageModel, prompt, padding_mask, n: int) -> to
     return ids_so_far
 
 
-@pytest.mark.parametrize("kind", HF)
-def test_a_left_padded_batch_decodes_as_their_generate_with_an_attention_mask(kind):
+@pytest.mark.parametrize(
+    ("kind", "changes"),
+    [("llama", {}), ("qwen3", {}), ("qwen3", {"window": 4})],
+    ids=["llama", "qwen3", "qwen3-window-4"],
+)
+def test_a_left_padded_batch_decodes_as_their_generate_with_an_attention_mask(kind, changes):
     """Rows of 6, 4 and 2 real tokens padded on the left: our padding mask (positions counted
-    from each row's first real token) gives the tokens of generate() with attention_mask."""
-    ref = theirs(kind, modern(kind), seed=5)
-    ours = LanguageModel(modern(kind)).eval()
+    from each row's first real token) gives the tokens of generate() with attention_mask, also
+    under a window the longest prompt exceeds."""
+    ref = theirs(kind, modern(kind, **changes), seed=5)
+    ours = LanguageModel(modern(kind, **changes)).eval()
     HF[kind][3](ours, ref)
     prompt = ids(5)[:, :6]
     padding = torch.arange(6) < torch.tensor([[0], [2], [4]])  # (B, 6), True at padding
