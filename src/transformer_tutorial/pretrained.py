@@ -137,7 +137,9 @@ def load_pretrained(
         dtype: the model's dtype; None keeps the one its tensors are stored in.
 
     Raises ``FileNotFoundError`` for a missing config, weights or shard; ``ValueError`` for a
-    config ours cannot represent, and for tensors missing, unexpected or of the wrong shape.
+    config ours cannot represent, and for tensors missing, unexpected or of the wrong shape (all
+    before a tensor is read), a tied output layer stored unlike the token table, or dtypes
+    mixed with no ``dtype`` given; ``TypeError`` for a ``dtype`` that is not a float dtype.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be None or a floating torch.dtype, got {dtype!r}")
