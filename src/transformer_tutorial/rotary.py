@@ -115,7 +115,7 @@ class RotaryEmbedding(nn.Module):
         return cos.to(x.device, x.dtype), sin.to(x.device, x.dtype)
 
     def extra_repr(self) -> str:
-        scaled = "" if self.attention_scaling == 1.0 else f", scaling={self.attention_scaling}"
+        scaled = "" if self.attention_scaling == 1.0 else f", scaling={self.attention_scaling:.4g}"
         width = "" if self.cos.size(-1) == self.head_dim else f", rotated={self.cos.size(-1)}"
         return f"head_dim={self.head_dim}, max_len={self.max_len}, base={self.base}{width}{scaled}"
 
