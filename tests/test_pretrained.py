@@ -1,8 +1,9 @@
 """pretrained: folders written by ``transformers``' own ``save_pretrained`` (GPT-2, Llama, Qwen3;
-tied and untied; one file and shards; float32 and bfloat16 stored) load into ours with their
-logits, and ours saved loads into ``AutoModelForCausalLM`` with ours; bad folders get one error
-naming what is wrong. Every weight is drawn at random first (norms' gains around 1), nothing is
-downloaded."""
+tied and untied; one file and shards; float32 and bfloat16 stored; chapter 18's rope types) load
+into ours with their logits and ``generate()`` tokens, and ours saved loads into
+``AutoModelForCausalLM`` with ours and back with every weight equal; configs in the older style
+of downloaded files and OpenAI's GPT-2 names load too; bad folders get one error naming what is
+wrong. Every weight is drawn at random first (norms' gains around 1); nothing is downloaded."""
 
 from __future__ import annotations
 
