@@ -1,5 +1,5 @@
 """Chapter 6: masks mean True = blocked and merge into one broadcastable bool tensor; every entry
-point refuses a float mask.
+point refuses a float mask, and a mask whose shape does not fit its scores, naming the argument.
 
 What masks do inside the model is tested where it happens: attention with masks equals
 ``nn.MultiheadAttention`` and never gives NaN (test_attention.py), the decoder layer is causal and

@@ -3,9 +3,10 @@
 Polarity follows PyTorch's modules: True = blocked. ``padding_mask`` is True at padding,
 ``causal_mask`` is True above the diagonal (the future), ``sliding_window_causal_mask``
 (chapter 16) also below the window (the distant past). ``merge_masks`` is the one function that
-combines them into the ``(B, 1, L, S)`` form attention consumes. Remember that
-``torch.nn.functional.scaled_dot_product_attention`` reads a bool mask the other way round
-(True = attend): pass it ``~blocked``.
+combines them into the ``(B, 1, L, S)`` form attention consumes; ``check_mask`` the one that
+refuses a mask of another dtype or shape, naming the argument and the shapes it may have.
+Remember that ``torch.nn.functional.scaled_dot_product_attention`` reads a bool mask the other
+way round (True = attend): pass it ``~blocked``.
 """
 
 from __future__ import annotations
