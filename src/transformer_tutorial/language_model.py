@@ -30,7 +30,12 @@ from transformer_tutorial.lm_pieces import make_norm, make_positions
 from transformer_tutorial.masks import check_padding_mask
 
 # The projections that write into the residual stream, initialised smaller.
-RESIDUAL_PROJECTIONS = ("self_attn.out_proj.weight", "ff.linear2.weight", "ff.down_proj.weight")
+RESIDUAL_PROJECTIONS = (
+    "self_attn.out_proj.weight",
+    "ff.linear2.weight",
+    "ff.down_proj.weight",
+    "ff.experts.down_proj",  # chapter 20's experts, stacked
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class LanguageModel(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
         self.embed_scale = math.sqrt(c.d_model) if c.scale_embeddings else 1.0
         self.positions = make_positions(c)
-        self.layers = nn.ModuleList(DecoderOnlyLayer(c) for _ in range(c.n_layers))
+        self.layers = nn.ModuleList(DecoderOnlyLayer(c, i) for i in range(c.n_layers))
         # In pre-norm the residual stream is never normalised inside the stack: one norm at the
         # end (GPT-2's ln_f). Post-norm layers already end with one.
         self.norm = make_norm(c) if c.norm_first else None
@@ -110,6 +115,27 @@ class LanguageModel(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         return self.lm_head(x), LMCache(tuple(kvs), start + ids.size(1))
+
+    def step_with_router_logits(
+        self, ids: Tensor, cache: LMCache | None = None, *, padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, LMCache, tuple[Tensor, ...]]:
+        """:meth:`step`, and the router's logits ``(B · T_new, E)`` of each mixture-of-experts
+        layer in order (chapter 20), which
+        :func:`~transformer_tutorial.moe.load_balancing_loss` reads. Dense layers give none."""
+        start = 0 if cache is None else cache.length
+        self._check_ids(ids, start)
+        pads = self._left_padding(padding_mask, ids, start)
+        past = (None,) * len(self.layers) if cache is None else cache.layers
+        x = self.positions(self.embed(ids) * self.embed_scale, start)  # (B, T_new, D)
+        kvs, routers = [], []
+        for layer, layer_past in zip(self.layers, past, strict=True):
+            x, kv, router_logits = layer.forward_with_router_logits(x, layer_past, **pads)
+            kvs.append(kv)
+            if router_logits is not None:
+                routers.append(router_logits)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.lm_head(x), LMCache(tuple(kvs), start + ids.size(1)), tuple(routers)
 
     def _left_padding(self, padding_mask: Tensor | None, ids: Tensor, start: int) -> dict:
         """The padding mask and the position ids that skip the padding, ``(B, T_new)``: a row's

@@ -20,6 +20,7 @@ from transformer_tutorial.checks import (
     check_optional_int,
 )
 from transformer_tutorial.feed_forward import FEED_FORWARDS
+from transformer_tutorial.moe import check_experts
 from transformer_tutorial.norms import NORMS
 from transformer_tutorial.rope_scaling import REFUSED, RopeScaling, rotary_width
 
@@ -29,6 +30,15 @@ ATTENTIONS = ("mha", "gqa")
 
 # The fields only chapter 16's attention has.
 GQA_FIELDS = {"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None}
+# The fields only chapter 20's mixture of experts has (n_experts=0: every layer dense).
+MOE_FIELDS = {
+    "n_experts_per_token": 1,
+    "moe_d_ff": None,
+    "norm_topk_prob": False,
+    "sparse_step": 1,
+    "dense_layers": (),
+    "router_aux_loss_coef": 0.001,
+}
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,13 @@ class LMConfig:
     With ``attention="gqa"`` only: ``n_kv_heads`` key/value heads (None: ``n_heads``), a head
     width ``d_head`` of its own (None: ``d_model // n_heads``), ``qk_norm`` (Qwen3) and a
     sliding ``window`` (None: every earlier position). ``positions="rope"`` needs it too.
+
+    With ``n_experts`` > 0 (chapter 20), the feed-forward layer of layer ``i`` is a mixture of
+    ``n_experts`` SwiGLU experts of hidden width ``moe_d_ff`` (None: ``d_ff``), each token
+    routed to ``n_experts_per_token`` of them (weights renormalised with ``norm_topk_prob``),
+    when ``(i + 1) % sparse_step == 0`` and ``i`` is not in ``dense_layers`` (Qwen3-MoE's
+    ``decoder_sparse_step`` and ``mlp_only_layers``); other layers keep the dense ``d_ff``
+    layer. ``router_aux_loss_coef`` weighs the load-balancing loss in training.
     """
 
     vocab_size: int
@@ -74,6 +91,13 @@ class LMConfig:
     d_head: int | None = None
     qk_norm: bool = False
     window: int | None = None
+    n_experts: int = 0
+    n_experts_per_token: int = 1
+    moe_d_ff: int | None = None
+    norm_topk_prob: bool = False
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_len"):
@@ -91,6 +115,42 @@ class LMConfig:
             check_bool(name, getattr(self, name))
         self._check_heads()
         self._check_rope()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        check_int("n_experts", self.n_experts, at_least=0)
+        if self.n_experts == 0:
+            chosen = [
+                f"{k}={getattr(self, k)!r}" for k, v in MOE_FIELDS.items() if getattr(self, k) != v
+            ]
+            if chosen:
+                raise ValueError(f"{', '.join(chosen)}: mixture of experts only; set n_experts")
+            return
+        check_experts(self.n_experts, self.n_experts_per_token, top_k_name="n_experts_per_token")
+        check_optional_int("moe_d_ff", self.moe_d_ff, at_least=1)
+        check_bool("norm_topk_prob", self.norm_topk_prob)
+        check_int("sparse_step", self.sparse_step, at_least=1)
+        check_number("router_aux_loss_coef", self.router_aux_loss_coef, low=0.0)
+        if not isinstance(self.dense_layers, tuple) or not all(
+            isinstance(i, int) and 0 <= i < self.n_layers for i in self.dense_layers
+        ):
+            raise ValueError(
+                f"dense_layers must be a tuple of layer indices 0 to {self.n_layers - 1}, "
+                f"got {self.dense_layers!r}"
+            )
+        if self.activation != "swiglu" or self.bias:
+            raise ValueError(
+                "the experts are SwiGLU layers without biases: set activation='swiglu' and "
+                f"bias=False with n_experts (got {self.activation!r}, bias={self.bias})"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has a mixture of experts, as Qwen3-MoE decides."""
+        return (
+            self.n_experts > 0
+            and layer not in self.dense_layers
+            and (layer + 1) % self.sparse_step == 0
+        )
 
     def _check_rope(self) -> None:
         scaled = self.rope_scaling is not None or self.partial_rotary_factor != 1.0

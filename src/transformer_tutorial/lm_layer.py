@@ -21,6 +21,7 @@ from transformer_tutorial.grouped_attention import GroupedKVCache, GroupedQueryA
 from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.lm_pieces import make_attention, make_feed_forward, make_norm
 from transformer_tutorial.masks import causal_mask
+from transformer_tutorial.moe import MixtureOfExperts
 
 # One layer's keys and values so far: chapter 11's for "mha", chapter 16's for "gqa".
 Cache = KVCache | GroupedKVCache
@@ -36,15 +37,17 @@ class DecoderOnlyLayer(nn.Module):
     Shapes:
         x ``(B, T_new, D)`` after the ``S_past`` positions of ``past`` (each ``(B, H, S_past,
         Dh)``) → ``(B, T_new, D)`` and the keys/values of all ``S_past + T_new`` positions.
+        :meth:`forward_with_router_logits` also returns the router's logits ``(B · T_new, E)``
+        of a mixture-of-experts layer (chapter 20), None in a dense layer.
         With ``attention="gqa"`` only: ``position_ids`` ``(B, T_new)`` for rotary positions and
         ``padding_mask`` ``(B, S_past + T_new)``, True at padding.
     """
 
-    def __init__(self, config: LMConfig) -> None:
+    def __init__(self, config: LMConfig, layer: int = 0) -> None:
         super().__init__()
         self.norm_first = config.norm_first
         self.self_attn = make_attention(config)
-        self.ff = make_feed_forward(config)
+        self.ff = make_feed_forward(config, layer)  # layer: which are sparse (chapter 20)
         self.norm1 = make_norm(config)
         self.norm2 = make_norm(config)
         self.dropout1 = nn.Dropout(config.dropout)
@@ -58,16 +61,32 @@ class DecoderOnlyLayer(nn.Module):
         position_ids: Tensor | None = None,
         padding_mask: Tensor | None = None,
     ) -> tuple[Tensor, Cache]:
+        x, kv, _ = self.forward_with_router_logits(
+            x, past, position_ids=position_ids, padding_mask=padding_mask
+        )
+        return x, kv
+
+    def forward_with_router_logits(
+        self,
+        x: Tensor,
+        past: Cache | None = None,
+        *,
+        position_ids: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Cache, Tensor | None]:
+        """:meth:`forward`, and the router's logits ``(B · T_new, E)`` (None: a dense layer)."""
         pads = dict(position_ids=position_ids, padding_mask=padding_mask)  # "gqa" only
         if self.norm_first:
             sa, kv = self._sa_block(self.norm1(x), past, **pads)
             x = x + sa
-            x = x + self._ff_block(self.norm2(x))
+            ff, router_logits = self._ff_block(self.norm2(x))
+            x = x + ff
         else:
             sa, kv = self._sa_block(x, past, **pads)
             x = self.norm1(x + sa)
-            x = self.norm2(x + self._ff_block(x))
-        return x, kv
+            ff, router_logits = self._ff_block(x)
+            x = self.norm2(x + ff)
+        return x, kv, router_logits
 
     def _sa_block(
         self, x: Tensor, past: Cache | None, **pads: Tensor | None
@@ -101,5 +120,8 @@ class DecoderOnlyLayer(nn.Module):
         )
         return self.dropout1(out), cache
 
-    def _ff_block(self, x: Tensor) -> Tensor:
-        return self.dropout2(self.ff(x))
+    def _ff_block(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        if isinstance(self.ff, MixtureOfExperts):
+            out, router_logits = self.ff.forward_with_router_logits(x)
+            return self.dropout2(out), router_logits
+        return self.dropout2(self.ff(x)), None

@@ -21,6 +21,7 @@ from transformer_tutorial.feed_forward import SwiGLU, build_feed_forward
 from transformer_tutorial.grouped_attention import GroupedQueryAttention
 from transformer_tutorial.layers import FeedForward
 from transformer_tutorial.lm_config import LMConfig
+from transformer_tutorial.moe import MixtureOfExperts
 from transformer_tutorial.norms import build_norm
 from transformer_tutorial.rope_scaling import scaled_rotary
 
@@ -31,10 +32,21 @@ def make_norm(config: LMConfig) -> nn.Module:
     return build_norm(config.norm, config.d_model, config.layer_norm_eps)
 
 
-def make_feed_forward(config: LMConfig) -> FeedForward | SwiGLU:
-    """The position-wise feed-forward layer, chapter 14's switch: chapter 5's layer with
-    ``config.activation`` (``"gelu_tanh"``: GPT-2's), or with ``"swiglu"`` the gated layer
-    (Llama's ``mlp``); ``d_ff`` is the hidden width, ``bias`` the config's."""
+def make_feed_forward(config: LMConfig, layer: int = 0) -> FeedForward | SwiGLU | MixtureOfExperts:
+    """The position-wise feed-forward layer of layer ``layer``, chapter 14's switch: chapter 5's
+    layer with ``config.activation`` (``"gelu_tanh"``: GPT-2's), or with ``"swiglu"`` the gated
+    layer (Llama's ``mlp``); ``d_ff`` is the hidden width, ``bias`` the config's. Chapter 20:
+    where ``config.is_sparse(layer)``, a mixture of ``n_experts`` SwiGLU layers of ``moe_d_ff``
+    (Qwen3-MoE's sparse block)."""
+    if config.is_sparse(layer):
+        return MixtureOfExperts(
+            config.d_model,
+            config.moe_d_ff or config.d_ff,
+            config.n_experts,
+            config.n_experts_per_token,
+            norm_topk_prob=config.norm_topk_prob,
+            dropout=config.dropout,
+        )
     return build_feed_forward(
         config.activation, config.d_model, config.d_ff, dropout=config.dropout, bias=config.bias
     )
