@@ -79,11 +79,11 @@ class Budget:
         seconds_a_step = (now - first_time) / (step - first_step)
         return step + math.floor((self.planned_end - now) / seconds_a_step)
 
-    def plan(self, step: int, *, steps: int) -> None:
+    def plan(self, step: int, *, steps: int | None) -> None:
         """Under a time limit, end the decay at :meth:`last_step_in_time` — never past the
         recipe's ``steps``, and after one more step and the warm-up at least — the same step on
         every rank. The trainer calls it once each ``log_every`` steps."""
-        if self.decay is None or step >= self.decay.total:  # no end, or the end is reached
+        if steps is None or self.decay is None or step >= self.decay.total:  # none, or reached
             return
         in_time = self.last_step_in_time(step)
         if in_time is None:

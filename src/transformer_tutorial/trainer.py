@@ -97,7 +97,7 @@ class Trainer:
         # device, read back once per log_every steps (each read makes the host wait for it).
         self.unread = torch.zeros(2, device=device)
         self.lengths = pair_lengths(train_pairs)
-        self.budget = Budget(  # a recipe of `steps` decays with optim.LinearDecay: its end
+        self.budget = Budget(  # decay: a recipe's optim.LinearDecay, whose end it may move
             max_steps=options.max_steps,
             max_minutes=options.max_minutes,
             decay=self.schedule.lr_lambdas[0] if config.steps is not None else None,
