@@ -27,6 +27,7 @@ from transformer_tutorial.masks import (
     sliding_window_causal_mask,
 )
 from transformer_tutorial.model import Transformer
+from transformer_tutorial.stacks import Decoder, Encoder
 
 PAD = 0
 
@@ -268,6 +269,30 @@ BAD_MASKS = [
         )(MultiHeadAttention(16, 4)),
         ValueError,
         "key_padding_mask has shape (2, 5); expected (B, S) = (2, 6)",
+    ),
+    (
+        "MultiHeadAttention.attend_heads: (B, L, S) of another batch",
+        lambda: (lambda m: m.attend_heads(*m.project_qkv(X), attn_mask=_bool(3, 5, 5)))(
+            MultiHeadAttention(16, 4)
+        ),
+        ValueError,
+        "attn_mask has shape (3, 5, 5)",
+    ),
+    (
+        "Encoder.forward_with_weights",
+        lambda: Encoder([EncoderLayer(16, 4, 32, 0.0)]).forward_with_weights(
+            MEMORY, src_key_padding_mask=_bool(2, 7)
+        ),
+        ValueError,
+        "src_key_padding_mask has shape (2, 7); expected (B, S) = (2, 6)",
+    ),
+    (
+        "Decoder.forward_with_weights",
+        lambda: Decoder([DecoderLayer(16, 4, 32, 0.0)]).forward_with_weights(
+            X, MEMORY, memory_key_padding_mask=_bool(2, 5)
+        ),
+        ValueError,
+        "memory_key_padding_mask has shape (2, 5); expected (B, S) = (2, 6)",
     ),
     (
         "EncoderLayer",
