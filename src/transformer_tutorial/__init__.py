@@ -27,7 +27,9 @@ embeddings, three layouts), ``grouped_attention`` (grouped-query attention, QK-n
 windows, the KV cache's bytes). ``flops`` counts a step's floating-point operations, ``checks``
 validates arguments (and the command lines' flags), ``plotting`` draws the book's figures.
 
-The pieces no tutorial proves (from chapter 18): ``pretrained`` (chapter 19: checkpoint folders,
+The pieces no tutorial proves (from chapter 18): ``rope_scaling`` (chapter 18: rotary
+frequencies for contexts longer than trained, linear, NTK, Llama 3.1's and YaRN's, and partial
+rotary), ``length_experiment`` (its measured run), ``pretrained`` (chapter 19: checkpoint folders,
 ``config.json`` and safetensors weights, read into the language model and written back).
 
 Shape vocabulary, batch-first everywhere:
