@@ -134,8 +134,8 @@ class RopeScaling:
         None values as absent); ``rope_theta`` and ``partial_rotary_factor`` are the caller's.
         None for ``"default"``."""
         kwargs = {k: v for k, v in parameters.items() if v is not None}
-        kwargs.setdefault("rope_type", kwargs.pop("type", "default"))
-        kwargs.pop("type", None)
+        legacy = kwargs.pop("type", "default")  # transformers 4's name for it
+        kwargs.setdefault("rope_type", legacy)
         kwargs.pop("rope_theta", None)
         kwargs.pop("partial_rotary_factor", None)
         known = {f.name for f in fields(cls)}
