@@ -24,6 +24,7 @@ from transformer_tutorial.lm_pieces import (
     make_positions,
 )
 from transformer_tutorial.norms import RMSNorm
+from transformer_tutorial.rope_scaling import RopeScaling, scaled_rotary
 from transformer_tutorial.rotary import RotaryPositions
 
 SIZES = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=1, d_ff=24, max_len=8)
@@ -64,6 +65,21 @@ def test_positions_and_attention_by_name():
     assert attn.positions.rotary.max_len == 8 and attn.q_norm is None
     plain = make_attention(config(attention="gqa"))
     assert plain.positions is None and plain.n_kv_heads == 4 and plain.q_proj.bias is not None
+
+
+def test_attention_gets_the_configs_rope_scaling_and_partial_rotary():
+    """Chapter 18's settings reach the hook: its tables are scaled_rotary's, not plain ones."""
+    scaling = RopeScaling("yarn", factor=4.0, original_max_position_embeddings=4)
+    changes = dict(attention="gqa", positions="rope", d_head=8, rope_base=100.0, max_len=32)
+    hook = make_attention(config(**changes, rope_scaling=scaling, partial_rotary_factor=0.5))
+    expected = scaled_rotary(
+        8, max_len=32, base=100.0, scaling=scaling, partial_rotary_factor=0.5
+    ).rotary
+    assert torch.equal(hook.positions.rotary.cos, expected.cos)
+    assert torch.equal(hook.positions.rotary.sin, expected.sin)
+    assert hook.positions.rotary.cos.shape == (32, 4)  # 4 of 8 coordinates turn
+    plain = make_attention(config(**changes)).positions.rotary
+    assert plain.cos.shape == (32, 8) and plain.attention_scaling == 1.0
 
 
 def test_llama_and_qwen3_choices_are_fixed_and_valid():
