@@ -1,8 +1,8 @@
 """rope_scaling: every rope type's frequencies and attention factor equal ``transformers``'
 ``ROPE_INIT_FUNCTIONS`` over many configurations; the factor multiplies cos and sin once; partial
 rotary equals GPT-NeoX's rotation of the first part of each head (in every layout); bad settings
-are refused naming the field. Whole Llama and Qwen3 models with scaled rope are in
-test_hf_weights.py."""
+are refused naming the field; a model with YaRN and partial rotary decodes with its cache as it
+reads whole. Whole Llama and Qwen3 models with scaled rope are in test_hf_weights.py."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from transformers.models.gpt_neox.modeling_gpt_neox import (
 )
 
 from helpers import raises
+from transformer_tutorial.language_model import LanguageModel
+from transformer_tutorial.lm_config import LLAMA, LMConfig
 from transformer_tutorial.rope_scaling import (
     RopeScaling,
     rotary_width,
@@ -307,3 +309,31 @@ def test_parameters_map_both_ways():
 )
 def test_bad_settings_are_refused_naming_the_field(make, error, phrase):
     raises(make, error, phrase)
+
+
+def test_a_model_with_yarn_and_partial_rotary_decodes_with_its_cache_as_it_reads_whole():
+    """The whole language model: token by token with the KV cache equals one pass, past L."""
+    config = LMConfig(
+        vocab_size=30,
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        d_ff=48,
+        max_len=40,
+        dropout=0.0,
+        **LLAMA,
+        n_kv_heads=2,
+        rope_scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=8),
+        partial_rotary_factor=0.5,
+    )
+    torch.manual_seed(0)
+    model = LanguageModel(config).eval()
+    ids = torch.randint(0, 30, (2, 36))
+    with torch.no_grad():
+        whole = model(ids)
+        logits, cache = model.step(ids[:, :5])
+        steps = [logits]
+        for t in range(5, 36):
+            logits, cache = model.step(ids[:, t : t + 1], cache)
+            steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
