@@ -23,7 +23,11 @@ Sections:
      training step (forward, next-token loss, backward, AdamW) at a few batch shapes and of greedy
      generation with a KV cache (ours) vs ``generate(do_sample=False)``, the logits and tokens
      checked equal in float32 first. On a CPU the model chapter 17 trains, on a GPU its
-     GPT-2-small-sized capstone.
+     GPT-2-small-sized capstone;
+  7. chapter 20's mixture-of-experts layer against ``transformers``' ``Qwen3MoeSparseMoeBlock``
+     with the same weights: throughput ours ÷ theirs of a forward pass and of forward +
+     backward, at 8 experts (2 per token) and Qwen3-30B-A3B's 128 (8 per token), the outputs
+     checked equal in float32 first.
 
 The models are those of ``transformer_tutorial.configs.CONFIGS``. Both models share one wrapper
 (embeddings, positional encoding, generator), one batch with padding and the same masks. Every
@@ -33,7 +37,7 @@ measurement interleaves the two (a busy machine slows both alike) and reports th
 
 Modules: ``cli`` (arguments, settings, the run's description), ``timing`` (interleaved
 medians), ``models`` (the ``nn.Transformer`` wrapper, the batch, the timed steps), one module a
-section (``train_forward``, ``decoding``, ``beam``, ``attention``, ``llama``), ``mfu`` (peaks and
-utilisation), ``memory`` with the fresh-process probe ``memory_probe``, ``report`` (table, plot,
-JSON) and ``__main__``.
+section (``train_forward``, ``decoding``, ``beam``, ``attention``, ``llama``, ``moe``), ``mfu``
+(peaks and utilisation), ``memory`` with the fresh-process probe ``memory_probe``, ``report``
+(table, plot, JSON) and ``__main__``.
 """

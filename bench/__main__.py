@@ -12,6 +12,7 @@ from bench.beam import bench_beam
 from bench.cli import Settings, parse_args, run_meta
 from bench.decoding import bench_decoding
 from bench.llama import bench_llama
+from bench.moe import bench_moe
 from bench.report import print_table, write_results
 from bench.train_forward import bench_models
 from transformer_tutorial.allocator import keep_freed_memory
@@ -31,6 +32,11 @@ SECTIONS = (
         "6. chapter 17's Llama-style model, ours vs transformers' LlamaForCausalLM",
         "llama",
         bench_llama,
+    ),
+    (
+        "7. chapter 20's mixture-of-experts layer, ours vs transformers' Qwen3MoeSparseMoeBlock",
+        "moe",
+        bench_moe,
     ),
 )
 

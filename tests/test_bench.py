@@ -63,6 +63,7 @@ def test_bench_quick_runs_every_section_and_writes_results(
         assert all(r["written_peak_mib"] is not None for r in results["attention"])
     _check_mfu(results, out)
     _check_llama(results, out)
+    _check_moe(results, out)
 
 
 def _check_mfu(results: dict, out: str) -> None:
@@ -107,6 +108,19 @@ def _check_llama(results: dict, out: str) -> None:
     lines = table.splitlines()[2:4]
     assert [line.split()[0] for line in lines] == ["train", "generate"]
     assert all(line.endswith("same") for line in lines)
+
+
+def _check_moe(results: dict, out: str) -> None:
+    """Section 7: both sides gave the same outputs, forward and train rows each have a ratio."""
+    rows = results["moe"]["rows"]
+    assert [(r["mode"], r["n_experts"], r["top_k"]) for r in rows] == [
+        ("forward", 4, 2),
+        ("train", 4, 2),
+    ]
+    for r in rows:
+        assert r["same_output"] and r["fp32_output_diff"] <= 1e-4
+        assert r["ratio"] == pytest.approx(r["theirs_ms"] / r["ours_ms"]) and r["ratio"] > 0
+    assert "Qwen3MoeSparseMoeBlock" in out
 
 
 @pytest.mark.parametrize("cheap", [True, False])
@@ -227,3 +241,17 @@ def test_peak_memory_sees_a_temporary_tensor_after_the_process_freed_larger_ones
     for line in done.stdout.splitlines():
         big, small = map(float, line.split())
         assert 15 <= big <= 20 and small < 2, done.stdout
+
+
+def test_moe_pair_computes_the_same_and_its_check_sees_a_difference(bench):
+    """The pair section 7 times has the same weights (the same outputs); a changed expert
+    weight on one side shows."""
+    import bench.moe as moe
+
+    ours, theirs = moe.build_pair(16, 8, 4, 2, torch.device("cpu"))
+    x = torch.randn(1, 12, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=1e-5)
+        theirs.experts.down_proj[1] += 0.1
+        changed = theirs(x)
+        assert (ours(x) - changed).abs().max() / changed.abs().max() > 100 * moe.OUTPUT_RTOL

@@ -87,18 +87,25 @@ class Experts(nn.Module):
         order = chosen.argsort(stable=True)  # (N·k,)
         tokens = order // k  # the token of each sorted pair
         counts = torch.bincount(chosen, minlength=self.n_experts).tolist()  # one read back
-        # 2) each expert on its block of tokens (an empty block stays empty)
+        # 2) each expert on its block of tokens (an empty block stays empty); unbind, not
+        # gate_proj[e]: indexing each expert would give each its own full-size gradient
         blocks = x[tokens].split(counts)  # E blocks (n_e, D)
-        out = torch.cat(
-            [self._expert(e, block) if len(block) else block for e, block in enumerate(blocks)]
-        )  # (N·k, D)
+        each = zip(
+            blocks,
+            self.gate_proj.unbind(),
+            self.up_proj.unbind(),
+            self.down_proj.unbind(),
+            strict=True,
+        )
+        out = torch.cat([self._expert(*e) if len(e[0]) else e[0] for e in each])  # (N·k, D)
         # 3) weight each output and add it to its token
         out = out * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
 
-    def _expert(self, e: int, x: Tensor) -> Tensor:
-        gated = F.silu(F.linear(x, self.gate_proj[e])) * F.linear(x, self.up_proj[e])  # (n, F)
-        return F.linear(self.dropout(gated), self.down_proj[e])  # (n, D)
+    def _expert(self, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+        """One expert's SwiGLU on its ``n`` tokens: ``(n, D)`` → ``(n, D)``."""
+        gated = F.silu(F.linear(x, gate)) * F.linear(x, up)  # (n, F)
+        return F.linear(self.dropout(gated), down)
 
 
 class MixtureOfExperts(nn.Module):

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from transformer_tutorial.hf_weights import (
     LLAMA_MATCHING,
@@ -32,6 +33,7 @@ from transformer_tutorial.hf_weights import (
 )
 from transformer_tutorial.language_model import LanguageModel
 from transformer_tutorial.lm_config import QWEN3, LMConfig
+from transformer_tutorial.moe import MixtureOfExperts
 
 # The settings that change the outputs beyond Qwen3's: equal on both sides or refused.
 MOE_MATCHING = (
@@ -178,3 +180,23 @@ def copy_to_qwen3_moe(ours: LanguageModel, theirs: Qwen3MoeForCausalLM) -> None:
     """Copy our :class:`LanguageModel`'s weights into a ``Qwen3MoeForCausalLM``: the inverse of
     :func:`copy_from_qwen3_moe`."""
     _copy(ours, theirs, to_theirs=True)
+
+
+def copy_block_to_qwen3_moe(ours: MixtureOfExperts, theirs: Qwen3MoeSparseMoeBlock) -> None:
+    """One layer's mapping: our :class:`~transformer_tutorial.moe.MixtureOfExperts` into a
+    ``Qwen3MoeSparseMoeBlock`` of the same sizes (router → ``gate``, ``gate_proj`` and
+    ``up_proj`` stacked into ``gate_up_proj``)."""
+    _check_kind(theirs, Qwen3MoeSparseMoeBlock)
+    e = ours.experts
+    pairs = {
+        "gate.weight": ours.router.weight,
+        "experts.gate_up_proj": torch.cat([e.gate_proj, e.up_proj], dim=1),
+        "experts.down_proj": e.down_proj,
+    }
+    with torch.no_grad():
+        for name, mine in pairs.items():
+            their = theirs.get_parameter(name)
+            if their.shape != mine.shape:
+                shapes = f"{tuple(mine.shape)} vs {tuple(their.shape)}"
+                raise ValueError(f"{name}: shapes differ, {shapes}")
+            their.copy_(mine)
