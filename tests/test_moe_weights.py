@@ -2,7 +2,8 @@
 logits, router logits, load-balancing loss and training loss, for a right-padded batch and an
 input of max_len, and the same greedy tokens as generate(), in float32 in eval mode; configs
 mix dense and sparse layers (decoder_sparse_step, mlp_only_layers), top-k from 1 to E,
-norm_topk_prob both ways. Every weight is drawn at random first (norms around 1)."""
+norm_topk_prob both ways. Every weight is drawn at random first (norms around 1). Tolerances:
+1e-5, and 1e-4 for the logits (attention in other orders; see LOGITS_ATOL)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from transformer_tutorial.sampling import generate
 
 V, B, T = 50, 3, 24
 ATOL = RTOL = 1e-5  # float32
+# Logits after three layers: their attention written out (eager), ours F.sdpa, summed in other
+# orders: up to 2.1e-5 over 8 seeds × 5 configs (logits up to ~10); a weight misplaced: ~1.
+LOGITS_ATOL = 1e-4
 CONFIGS = {  # name: changes to config()
     "all-sparse": {},
     "every-2nd": dict(sparse_step=2, norm_topk_prob=False),
@@ -75,7 +79,7 @@ def test_copy_from_qwen3_moe_gives_their_logits_router_logits_and_losses(name, d
         logits, _, routers = ours.step_with_router_logits(ids)
     real = ~padding
     assert out.logits.abs().max() > 1.0
-    torch.testing.assert_close(logits[real], out.logits[real], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits[real], out.logits[real], atol=LOGITS_ATOL, rtol=RTOL)
     sparse = [i for i in range(ours_config.n_layers) if ours_config.is_sparse(i)]
     assert len(routers) == len(out.router_logits) == len(sparse)
     for mine, their in zip(routers, out.router_logits, strict=True):
@@ -95,7 +99,7 @@ def test_copy_to_qwen3_moe_gives_our_logits(name, device):
     copy_to_qwen3_moe(ours, ref)
     ours, ref, ids = to_device((ours, ref, batch(1)[0]), device)
     with torch.no_grad():
-        torch.testing.assert_close(ref(ids).logits, ours(ids), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(ref(ids).logits, ours(ids), atol=LOGITS_ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("name", ["every-2nd", "top-1-tied"])
