@@ -267,7 +267,7 @@ def test_a_tiny_model_learns_a_sentence_by_heart():
         ({"activation": "swish"}, ValueError, "activation must be one of"),
         ({"norm": "rmsnorm"}, ValueError, "norm must be one of ['layer', 'rms']"),
         ({"positions": "alibi"}, ValueError, "one of ['learned', 'rope', 'sinusoidal']"),
-        ({"attention": "mqa"}, ValueError, "attention must be one of ['gqa', 'mha']"),
+        ({"attention": "mqa"}, ValueError, "attention must be one of ['gqa', 'mha', 'mla']"),
         (
             {"positions": "rope"},
             ValueError,

@@ -41,8 +41,9 @@ RESIDUAL_PROJECTIONS = (
 @dataclass(frozen=True)
 class LMCache:
     """What decoding carries from one step to the next: each layer's keys and values
-    ``(B, Hkv, S, Dh)`` and how many positions have been decoded (with a sliding window a layer
-    holds only the last ``window - 1``)."""
+    ``(B, Hkv, S, Dh)`` (chapter 21's latent attention: its latents ``(B, S, Dc + Dr)``) and how
+    many positions have been decoded (with a sliding window a layer holds only the last
+    ``window - 1``)."""
 
     layers: tuple[Cache, ...]
     length: int

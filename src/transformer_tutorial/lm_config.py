@@ -20,13 +20,14 @@ from transformer_tutorial.checks import (
     check_optional_int,
 )
 from transformer_tutorial.feed_forward import FEED_FORWARDS
+from transformer_tutorial.latent_attention import check_latent_dims
 from transformer_tutorial.moe import check_experts
 from transformer_tutorial.norms import NORMS
 from transformer_tutorial.rope_scaling import REFUSED, RopeScaling, rotary_width
 
 # The choices of lm_pieces' two factories of their own.
 POSITIONS = ("learned", "sinusoidal", "rope")
-ATTENTIONS = ("mha", "gqa")
+ATTENTIONS = ("mha", "gqa", "mla")
 
 # The fields only chapter 16's attention has.
 GQA_FIELDS = {"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None}
@@ -38,6 +39,15 @@ MOE_FIELDS = {
     "sparse_step": 1,
     "dense_layers": (),
     "router_aux_loss_coef": 0.001,
+}
+# The fields only chapter 21's latent attention has.
+MLA_FIELDS = {
+    "q_lora_rank": None,
+    "kv_lora_rank": None,
+    "qk_nope_head_dim": None,
+    "qk_rope_head_dim": None,
+    "v_head_dim": None,
+    "rope_interleave": False,
 }
 
 
@@ -66,6 +76,12 @@ class LMConfig:
     when ``(i + 1) % sparse_step == 0`` and ``i`` is not in ``dense_layers`` (Qwen3-MoE's
     ``decoder_sparse_step`` and ``mlp_only_layers``); other layers keep the dense ``d_ff``
     layer. ``router_aux_loss_coef`` weighs the load-balancing loss in training.
+
+    With ``attention="mla"`` (chapter 21, needs ``positions="rope"``): DeepSeek's latent
+    attention, keys and values from a latent of ``kv_lora_rank``, queries through one of
+    ``q_lora_rank`` (None: directly), each head's query and key ``qk_nope_head_dim`` wide
+    without positions plus ``qk_rope_head_dim`` rotary (``rope_interleave``: its pairs are
+    interleaved, DeepSeek's checkpoints), values ``v_head_dim`` wide.
     """
 
     vocab_size: int
@@ -98,6 +114,12 @@ class LMConfig:
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_len"):
@@ -114,6 +136,7 @@ class LMConfig:
         for name in ("norm_first", "bias", "tie_embeddings", "scale_embeddings", "qk_norm"):
             check_bool(name, getattr(self, name))
         self._check_heads()
+        self._check_latent()
         self._check_rope()
         self._check_experts()
 
@@ -152,6 +175,33 @@ class LMConfig:
             and (layer + 1) % self.sparse_step == 0
         )
 
+    def _check_latent(self) -> None:
+        if self.attention != "mla":
+            chosen = [
+                f"{k}={getattr(self, k)!r}" for k, v in MLA_FIELDS.items() if getattr(self, k) != v
+            ]
+            if chosen:
+                raise ValueError(
+                    f"{', '.join(chosen)}: latent attention only; set attention='mla'"
+                )
+            return
+        chosen = [
+            f"{k}={getattr(self, k)!r}" for k, v in GQA_FIELDS.items() if getattr(self, k) != v
+        ]
+        if chosen:
+            raise ValueError(f"{', '.join(chosen)}: chapter 16's attention only, not 'mla'")
+        check_bool("rope_interleave", self.rope_interleave)
+        missing = [k for k in list(MLA_FIELDS)[1:5] if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"attention='mla' needs {', '.join(missing)}")
+        check_latent_dims(**{k: getattr(self, k) for k in list(MLA_FIELDS)[:5]})
+        if self.positions != "rope" or self.partial_rotary_factor != 1.0 or self.bias:
+            raise ValueError(
+                "attention='mla' rotates its own qk_rope_head_dim part of each head, without "
+                "biases: set positions='rope', partial_rotary_factor=1.0 and bias=False (got "
+                f"{self.positions!r}, {self.partial_rotary_factor}, {self.bias})"
+            )
+
     def _check_rope(self) -> None:
         scaled = self.rope_scaling is not None or self.partial_rotary_factor != 1.0
         if scaled and self.positions != "rope":
@@ -166,7 +216,7 @@ class LMConfig:
             )
         if self.rope_scaling is not None and self.rope_scaling.rope_type in REFUSED:
             raise ValueError(REFUSED[self.rope_scaling.rope_type])
-        if self.positions == "rope":
+        if self.positions == "rope" and self.attention != "mla":
             rotary_width(self.head_dim, self.partial_rotary_factor)
 
     def _check_heads(self) -> None:
@@ -180,6 +230,8 @@ class LMConfig:
                 raise ValueError(
                     f"{', '.join(chosen)}: chapter 16's attention only; set attention='gqa'"
                 )
+        if self.attention == "mla":
+            return  # its widths are its own fields (_check_latent)
         if self.d_head is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:

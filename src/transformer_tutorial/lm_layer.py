@@ -18,13 +18,15 @@ from torch import Tensor, nn
 
 from transformer_tutorial.attention import KVCache
 from transformer_tutorial.grouped_attention import GroupedKVCache, GroupedQueryAttention
+from transformer_tutorial.latent_attention import LatentKVCache, MultiHeadLatentAttention
 from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.lm_pieces import make_attention, make_feed_forward, make_norm
 from transformer_tutorial.masks import causal_mask
 from transformer_tutorial.moe import MixtureOfExperts
 
-# One layer's keys and values so far: chapter 11's for "mha", chapter 16's for "gqa".
-Cache = KVCache | GroupedKVCache
+# One layer's keys and values so far: chapter 11's for "mha", chapter 16's for "gqa",
+# chapter 21's latents for "mla".
+Cache = KVCache | GroupedKVCache | LatentKVCache
 
 
 class DecoderOnlyLayer(nn.Module):
@@ -91,7 +93,7 @@ class DecoderOnlyLayer(nn.Module):
     def _sa_block(
         self, x: Tensor, past: Cache | None, **pads: Tensor | None
     ) -> tuple[Tensor, Cache]:
-        if isinstance(self.self_attn, GroupedQueryAttention):
+        if isinstance(self.self_attn, GroupedQueryAttention | MultiHeadLatentAttention):
             return self._grouped_sa_block(x, past, **pads)
         q, kv = self.self_attn.project_qkv(x)  # (B, H, T_new, Dh) each
         if past is not None:
@@ -105,16 +107,20 @@ class DecoderOnlyLayer(nn.Module):
     def _grouped_sa_block(
         self,
         x: Tensor,
-        past: GroupedKVCache | None,
+        past: GroupedKVCache | LatentKVCache | None,
         *,
         position_ids: Tensor | None = None,
         padding_mask: Tensor | None = None,
-    ) -> tuple[Tensor, GroupedKVCache]:
+    ) -> tuple[Tensor, GroupedKVCache | LatentKVCache]:
         """Chapter 16's attention builds its own mask (causal or sliding-window, bottom-right),
         turns queries and keys by their positions (``position_ids``: default, those after the
         cache's) and adds the new keys and values to a copy of ``past``, which stays as it was (a
-        growing cache, the kind ``LanguageModel`` makes: a preallocated one shares its buffers)."""
-        cache = GroupedKVCache() if past is None else copy.copy(past)
+        growing cache, the kind ``LanguageModel`` makes: a preallocated one shares its buffers).
+        Chapter 21's latent attention is called alike, with a cache of its latents."""
+        if past is None:
+            latent = isinstance(self.self_attn, MultiHeadLatentAttention)
+            past = LatentKVCache() if latent else GroupedKVCache()
+        cache = copy.copy(past)
         out = self.self_attn(
             x, position_ids=position_ids, key_padding_mask=padding_mask, cache=cache
         )

@@ -19,6 +19,7 @@ from transformer_tutorial.attention import MultiHeadAttention
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
 from transformer_tutorial.feed_forward import SwiGLU, build_feed_forward
 from transformer_tutorial.grouped_attention import GroupedQueryAttention
+from transformer_tutorial.latent_attention import MultiHeadLatentAttention, mla_softmax_scale
 from transformer_tutorial.layers import FeedForward
 from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.moe import MixtureOfExperts
@@ -52,7 +53,9 @@ def make_feed_forward(config: LMConfig, layer: int = 0) -> FeedForward | SwiGLU 
     )
 
 
-def make_attention(config: LMConfig) -> MultiHeadAttention | GroupedQueryAttention:
+def make_attention(
+    config: LMConfig,
+) -> MultiHeadAttention | GroupedQueryAttention | MultiHeadLatentAttention:
     """The self-attention's head layout.
 
     ``"mha"``: chapter 4's H query heads with H key/value heads; the block calls its
@@ -60,10 +63,33 @@ def make_attention(config: LMConfig) -> MultiHeadAttention | GroupedQueryAttenti
     :class:`GroupedQueryAttention` with ``n_kv_heads`` key/value heads, QK-norm, a sliding
     ``window`` and, with ``positions="rope"``, chapter 15's rotation of queries and keys as its
     position hook (with chapter 18's ``rope_scaling`` and ``partial_rotary_factor``); it builds
-    its own mask and keeps its own cache.
+    its own mask and keeps its own cache. ``"mla"``: chapter 21's
+    :class:`MultiHeadLatentAttention`, called as ``"gqa"``, rotating its ``qk_rope_head_dim``
+    part (interleaved pairs with ``rope_interleave``), its scores scaled as DeepSeek's.
     """
     if config.attention == "mha":
         return MultiHeadAttention(config.d_model, config.n_heads, config.dropout, bias=config.bias)
+    if config.attention == "mla":
+        return MultiHeadLatentAttention(
+            config.d_model,
+            config.n_heads,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            q_lora_rank=config.q_lora_rank,
+            positions=scaled_rotary(
+                config.qk_rope_head_dim,
+                max_len=config.max_len,
+                base=config.rope_base,
+                scaling=config.rope_scaling,
+                layout="interleaved" if config.rope_interleave else "half_split",
+            ),
+            softmax_scale=mla_softmax_scale(
+                config.qk_nope_head_dim + config.qk_rope_head_dim, config.rope_scaling
+            ),
+            dropout=config.dropout,
+        )
     rotary = None
     if config.positions == "rope":
         rotary = scaled_rotary(
