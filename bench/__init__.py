@@ -27,7 +27,10 @@ Sections:
   7. chapter 20's mixture-of-experts layer against ``transformers``' ``Qwen3MoeSparseMoeBlock``
      with the same weights: throughput ours ÷ theirs of a forward pass and of forward +
      backward, at 8 experts (2 per token) and Qwen3-30B-A3B's 128 (8 per token), the outputs
-     checked equal in float32 first.
+     checked equal in float32 first;
+  8. chapter 21's latent attention: one decoding step after a cache of latents, the absorbed
+     form ÷ the unabsorbed one (ratio unabsorbed ÷ absorbed time), outputs checked equal first;
+     on a CPU 16 heads of DeepSeek-V3's widths after 2,048 positions, on a GPU its layer.
 
 The models are those of ``transformer_tutorial.configs.CONFIGS``. Both models share one wrapper
 (embeddings, positional encoding, generator), one batch with padding and the same masks. Every
@@ -37,7 +40,7 @@ measurement interleaves the two (a busy machine slows both alike) and reports th
 
 Modules: ``cli`` (arguments, settings, the run's description), ``timing`` (interleaved
 medians), ``models`` (the ``nn.Transformer`` wrapper, the batch, the timed steps), one module a
-section (``train_forward``, ``decoding``, ``beam``, ``attention``, ``llama``, ``moe``), ``mfu``
-(peaks and utilisation), ``memory`` with the fresh-process probe ``memory_probe``, ``report``
-(table, plot, JSON) and ``__main__``.
+section (``train_forward``, ``decoding``, ``beam``, ``attention``, ``llama``, ``moe``,
+``mla``), ``mfu`` (peaks and utilisation), ``memory`` with the fresh-process probe
+``memory_probe``, ``report`` (table, plot, JSON) and ``__main__``.
 """

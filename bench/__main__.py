@@ -12,6 +12,7 @@ from bench.beam import bench_beam
 from bench.cli import Settings, parse_args, run_meta
 from bench.decoding import bench_decoding
 from bench.llama import bench_llama
+from bench.mla import bench_mla
 from bench.moe import bench_moe
 from bench.report import print_table, write_results
 from bench.train_forward import bench_models
@@ -37,6 +38,11 @@ SECTIONS = (
         "7. chapter 20's mixture-of-experts layer, ours vs transformers' Qwen3MoeSparseMoeBlock",
         "moe",
         bench_moe,
+    ),
+    (
+        "8. chapter 21's latent attention, a decoding step absorbed vs unabsorbed",
+        "mla",
+        bench_mla,
     ),
 )
 

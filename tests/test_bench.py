@@ -64,6 +64,7 @@ def test_bench_quick_runs_every_section_and_writes_results(
     _check_mfu(results, out)
     _check_llama(results, out)
     _check_moe(results, out)
+    _check_mla(results, out)
 
 
 def _check_mfu(results: dict, out: str) -> None:
@@ -121,6 +122,16 @@ def _check_moe(results: dict, out: str) -> None:
         assert r["same_output"] and r["fp32_output_diff"] <= 1e-4
         assert r["ratio"] == pytest.approx(r["theirs_ms"] / r["ours_ms"]) and r["ratio"] > 0
     assert "Qwen3MoeSparseMoeBlock" in out
+
+
+def _check_mla(results: dict, out: str) -> None:
+    """Section 8: the absorbed and unabsorbed decoding steps gave the same output; one ratio."""
+    row = results["mla"]
+    assert (row["batch"], row["cached"], row["heads"]) == (2, 16, 4)
+    assert row["same_output"] and row["fp32_output_diff"] <= 1e-4
+    assert row["ratio"] == pytest.approx(row["unabsorbed_ms"] / row["absorbed_ms"])
+    assert row["cache_mib"] == 2 * 16 * (16 + 6) * 4 / 2**20  # the latents and rotary keys
+    assert "ratio unabsorbed ÷ absorbed" in out
 
 
 @pytest.mark.parametrize("cheap", [True, False])

@@ -144,6 +144,8 @@ def test_absorbed_equals_unabsorbed_in_float64(q_lora_rank):
     x = torch.randn(B, 12, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     padding = left_padded()[1][:, :12]
     with torch.no_grad():
+        unpadded = mla(x)  # one causal block: the absorbed form writes its mask out
+        torch.testing.assert_close(mla(x, absorbed=True), unpadded, atol=1e-12, rtol=1e-12)
         whole = mla(x, key_padding_mask=padding)
         torch.testing.assert_close(
             mla(x, key_padding_mask=padding, absorbed=True), whole, atol=1e-12, rtol=1e-12

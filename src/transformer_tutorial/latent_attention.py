@@ -218,25 +218,25 @@ class MultiHeadLatentAttention(nn.Module):
     def _attend_absorbed(
         self, q_nope: Tensor, q_rope: Tensor, held: Tensor, allowed: Tensor | None, causal: bool
     ) -> Tensor:
-        """5) W_UK folded into the query, W_UV applied after: one key/value head, the latent."""
-        w = self.kv_b_proj.weight.view(self.n_heads, self.d_nope + self.d_v, self.kv_lora_rank)
+        """5) W_UK folded into the query, W_UV applied after: one key/value head, the latent,
+        which every head's queries read as one longer sequence of queries (``H · L`` rows)."""
+        B, H, L, _ = q_nope.shape
+        S = held.size(1)
+        w = self.kv_b_proj.weight.view(H, self.d_nope + self.d_v, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # (H, Dn, Dc), (H, Dv, Dc)
         q_latent = torch.einsum("bhld,hdc->bhlc", q_nope, w_uk)  # (B, H, L, Dc)
-        q = torch.cat([q_latent, q_rope], dim=-1)  # (B, H, L, Dc + Dr)
+        q = torch.cat([q_latent, q_rope], dim=-1).reshape(B, 1, H * L, -1)  # (B, 1, H·L, Dc+Dr)
         k = held[:, None]  # (B, 1, S, Dc + Dr): one key head, shared
         v = held[:, None, :, : self.kv_lora_rank]  # (B, 1, S, Dc)
-        out_latent = self._sdpa(q, k, v, allowed, causal, enable_gqa=self.n_heads > 1)
+        if causal:  # the rows are no longer one square block: the mask written out
+            allowed = ~causal_mask(L, S, device=held.device)[None, None]  # (1, 1, L, S)
+        if allowed is not None:  # (B or 1, 1, L, S) → (B or 1, 1, H·L, S), head-major rows
+            allowed = allowed.expand(-1, H, L, S).reshape(allowed.size(0), 1, H * L, S)
+        out_latent = self._sdpa(q, k, v, allowed, False).view(B, H, L, self.kv_lora_rank)
         return torch.einsum("bhlc,hvc->bhlv", out_latent, w_uv)  # (B, H, L, Dv)
 
     def _sdpa(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        allowed: Tensor | None,
-        causal: bool,
-        *,
-        enable_gqa: bool = False,
+        self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, causal: bool
     ) -> Tensor:
         return F.scaled_dot_product_attention(
             q,
@@ -246,7 +246,6 @@ class MultiHeadLatentAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal,
             scale=self.softmax_scale,
-            enable_gqa=enable_gqa,
         )
 
     def _allowed(
