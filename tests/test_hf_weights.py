@@ -220,6 +220,8 @@ def test_llama_and_qwen3_configs_map_both_ways():
         ("qwen3", {"qk_norm": False}, "Qwen3 has no equivalent of this config; set qk_norm=True"),
         ("qwen3", {"bias": True}, "set bias=False"),
         ("qwen3", {"activation": "gelu"}, "activation='swiglu'"),
+        ("llama", {"n_experts": 4}, "set n_experts=0"),  # chapter 20's: moe_weights
+        ("qwen3", {"n_experts": 4}, "Qwen3 has no equivalent of this config; set n_experts=0"),
     ],
 )
 def test_configs_llama_and_qwen3_cannot_express_are_refused(kind, changes, phrase):

@@ -108,9 +108,8 @@ def llama_config(config: LMConfig) -> LlamaConfig:
     """The ``LlamaConfig`` of the model our ``config`` builds (``bias`` → ``attention_bias`` and
     ``mlp_bias``); an error naming every field to change if ours is not Llama's kind."""
     required = {k: v for k, v in LLAMA.items() if k not in ("bias", "tie_embeddings")}
-    _require(
-        config, dict(required, qk_norm=False, window=None, partial_rotary_factor=1.0), "Llama"
-    )
+    dense = dict(qk_norm=False, window=None, partial_rotary_factor=1.0, n_experts=0)
+    _require(config, dict(required, **dense), "Llama")
     return LlamaConfig(**_shared_fields(config), attention_bias=config.bias, mlp_bias=config.bias)
 
 
@@ -119,7 +118,7 @@ def qwen3_config(config: LMConfig) -> Qwen3Config:
     layer (``max_window_layers=0``). An error names every field to change if ours is not
     Qwen3's kind (its feed-forward has no biases: ``bias=False``)."""
     required = {k: v for k, v in QWEN3.items() if k != "tie_embeddings"}
-    _require(config, dict(required, partial_rotary_factor=1.0), "Qwen3")
+    _require(config, dict(required, partial_rotary_factor=1.0, n_experts=0), "Qwen3")
     return Qwen3Config(
         **_shared_fields(config),
         attention_bias=False,
