@@ -30,7 +30,9 @@ validates arguments (and the command lines' flags), ``plotting`` draws the book'
 The pieces no tutorial proves (from chapter 18): ``rope_scaling`` (chapter 18: rotary
 frequencies for contexts longer than trained, linear, NTK, Llama 3.1's and YaRN's, and partial
 rotary), ``length_experiment`` (its measured run), ``pretrained`` (chapter 19: checkpoint folders,
-``config.json`` and safetensors weights, read into the language model and written back).
+``config.json`` and safetensors weights, read into the language model and written back),
+``latent_attention`` (chapter 21: DeepSeek's multi-head latent attention, its cache of latents
+and the absorbed decoding form) with ``deepseek_weights`` (a dense DeepSeek-V3's weights).
 
 Shape vocabulary, batch-first everywhere:
 

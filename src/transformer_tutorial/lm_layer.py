@@ -41,8 +41,8 @@ class DecoderOnlyLayer(nn.Module):
         Dh)``) → ``(B, T_new, D)`` and the keys/values of all ``S_past + T_new`` positions.
         :meth:`forward_with_router_logits` also returns the router's logits ``(B · T_new, E)``
         of a mixture-of-experts layer (chapter 20), None in a dense layer.
-        With ``attention="gqa"`` only: ``position_ids`` ``(B, T_new)`` for rotary positions and
-        ``padding_mask`` ``(B, S_past + T_new)``, True at padding.
+        With ``attention="gqa"`` or ``"mla"`` only: ``position_ids`` ``(B, T_new)`` for rotary
+        positions and ``padding_mask`` ``(B, S_past + T_new)``, True at padding.
     """
 
     def __init__(self, config: LMConfig, layer: int = 0) -> None:
