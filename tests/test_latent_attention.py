@@ -217,3 +217,30 @@ def test_the_layer_calls_it_as_grouped_query_attention():
 )
 def test_bad_configs_are_refused_by_name(changes, phrase):
     raises(lambda: config(**changes), ValueError, phrase)
+
+
+def test_bad_arguments_of_the_layer_are_refused_by_name():
+    sizes = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10)
+    for changes, phrase in (
+        (dict(kv_lora_rank=0), "kv_lora_rank"),
+        (dict(qk_rope_head_dim=3), "qk_rope_head_dim=3 must be even"),
+        (dict(q_lora_rank=0), "q_lora_rank"),
+        (dict(softmax_scale=0.0), "softmax_scale"),
+        (dict(latent_norm_eps=0.0), "latent_norm_eps"),
+    ):
+        raises(
+            lambda c=changes: MultiHeadLatentAttention(32, 4, **(sizes | c)), ValueError, phrase
+        )
+    mla = MultiHeadLatentAttention(32, 4, **sizes)
+    raises(lambda: mla(torch.zeros(2, 3, 31)), ValueError, "x must be (B, L, D=32)")
+    padding = torch.zeros(2, 4, dtype=torch.bool)  # one position too many
+    raises(
+        lambda: mla(torch.zeros(2, 3, 32), key_padding_mask=padding), ValueError, "(B, seen + L)"
+    )
+    raises(
+        lambda: latent_cache_bytes(
+            n_layers=1, batch_size=1, length=1, kv_lora_rank=512, qk_rope_head_dim=64, dtype=2
+        ),
+        TypeError,
+        "dtype must be a torch.dtype",
+    )
