@@ -160,7 +160,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_proj = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=False)
         self.kv_a_norm = RMSNorm(kv_lora_rank, latent_norm_eps)
         # the latent's up-projection: W_UK (Dn rows) then W_UV (Dv rows) of each head
-        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), False)
+        d_kv = qk_nope_head_dim + v_head_dim
+        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * d_kv, bias=False)
         self.out_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=False)
 
     def forward(
