@@ -36,3 +36,12 @@ def test_git_commit_outside_a_checkout_says_none(monkeypatch):
 
     monkeypatch.setattr(provenance.subprocess, "run", no_git)
     assert git_commit() == {"commit": None}
+
+
+def test_machine_and_load_average_are_what_the_records_keep():
+    facts = provenance.machine()
+    assert set(facts) == {"platform", "cpu", "cpu_count", "torch_threads"}
+    assert facts["cpu"] == cpu_name() and facts["torch_threads"] == torch.get_num_threads()
+    assert {k: hardware(torch.device("cpu"), "fp32")[k] for k in facts} == facts
+    load = provenance.load_average()
+    assert len(load) == 3 and all(x >= 0 and round(x, 2) == x for x in load)

@@ -14,8 +14,6 @@ Shapes: windows ``(N, L)`` of token ids; losses per position ``(L,)``.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import random
 import sys
 from collections.abc import Sequence
@@ -33,7 +31,7 @@ from transformer_tutorial.language_model import LanguageModel
 from transformer_tutorial.lm_comparison import COMPARED, prepare_data, train_for
 from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.multi30k import load_split
-from transformer_tutorial.provenance import cpu_name, git_commit
+from transformer_tutorial.provenance import git_commit, load_average, machine
 from transformer_tutorial.rope_scaling import RopeScaling
 
 TRAIN_LEN = 64  # the length the model is trained at
@@ -156,13 +154,7 @@ def extend(state_path: Path, seconds: float, seed: int) -> dict:
 def _provenance() -> dict:
     return {
         "git": git_commit(),
-        "hardware": {
-            "platform": platform.platform(),
-            "cpu": cpu_name(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average": [round(x, 2) for x in os.getloadavg()],
-        },
+        "hardware": {**machine(), "load_average": load_average()},
         "torch": torch.__version__,
         "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

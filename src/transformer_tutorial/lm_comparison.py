@@ -16,8 +16,6 @@ Shapes: sentences are lists of ids ``<bos> … <eos>``; batches ``(B, T)`` padde
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -40,7 +38,7 @@ from transformer_tutorial.checks import (
 from transformer_tutorial.language_model import LanguageModel, next_token_loss
 from transformer_tutorial.lm_config import LLAMA, LMConfig
 from transformer_tutorial.multi30k import load_split
-from transformer_tutorial.provenance import cpu_name, git_commit
+from transformer_tutorial.provenance import git_commit, load_average, machine
 from transformer_tutorial.sampling import generate
 
 VOCAB_SIZE = 2000  # chapter 13's BPE vocabulary
@@ -197,13 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     record = {
         "command": ["python", "-m", "transformer_tutorial.lm_comparison", *sys.argv[1:]],
         "git": git_commit(),
-        "hardware": {
-            "platform": platform.platform(),
-            "cpu": cpu_name(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        },
+        "hardware": {**machine(), "load_average_at_start": load_average()},
         "torch": torch.__version__,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": args.seconds,
@@ -211,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "runs": {args.model: run_one(args.model, args.seconds, seed=args.seed)},
     }
     record["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    record["hardware"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    record["hardware"]["load_average_at_end"] = load_average()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
 

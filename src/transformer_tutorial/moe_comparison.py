@@ -16,8 +16,6 @@ Shapes: sentences are lists of ids ``<bos> … <eos>``; batches ``(B, T)`` padde
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -34,7 +32,7 @@ from transformer_tutorial.lm_comparison import COMPARED as LM_COMPARED
 from transformer_tutorial.lm_comparison import prepare_data, samples, validation_loss
 from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.moe import load_balancing_loss, tokens_per_expert
-from transformer_tutorial.provenance import cpu_name, git_commit
+from transformer_tutorial.provenance import git_commit, load_average, machine
 
 DENSE = LM_COMPARED["llama"]  # chapter 17's Llama-style side: d_ff = 304
 COMPARED = {
@@ -192,20 +190,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     record = {
         "command": ["python", "-m", "transformer_tutorial.moe_comparison", *sys.argv[1:]],
         "git": git_commit(),
-        "hardware": {
-            "platform": platform.platform(),
-            "cpu": cpu_name(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        },
+        "hardware": {**machine(), "load_average_at_start": load_average()},
         "torch": torch.__version__,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpu_seconds": args.cpu_seconds,
         "runs": {args.model: run_one(args.model, args.cpu_seconds)},
     }
     record["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    record["hardware"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    record["hardware"]["load_average_at_end"] = load_average()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
 

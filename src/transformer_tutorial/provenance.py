@@ -43,15 +43,27 @@ def cpu_name() -> str:
         return platform.processor()
 
 
+def machine() -> dict:
+    """The machine a record's numbers came from: platform, CPU name, cores, torch's threads."""
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def load_average() -> list[float]:
+    """The 1-, 5- and 15-minute load averages, rounded: how busy the machine was."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def hardware(device: torch.device, precision: str, *, compiled: bool = False) -> dict:
     """Where a run runs: device, CPU, threads, processes, and the precision it resolved
     (:func:`~transformer_tutorial.precision.resolve_precision`'s answer, not ``"auto"``)."""
     info = {
         "device": str(device),
-        "platform": platform.platform(),
-        "cpu": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        **machine(),
         "processes": distributed.world_size(),
         "precision": precision,
         "compiled": compiled,
