@@ -1,0 +1,215 @@
+"""Chapter 22: attention without the score matrix — FlashAttention-2's tiles, in PyTorch.
+
+The online softmax (:func:`online_softmax`), the tiled forward and backward passes of
+FlashAttention-2 (Dao 2023, Algorithms 1 and 2) as a ``torch.autograd.Function``
+(:func:`tiled_attention`), and :class:`PeakStorage`, which measures the peak bytes of the
+storages an operation allocates. A teaching implementation: exact, not fast.
+
+Shapes: queries ``(B, H, L, Dh)``, keys and values ``(B, H_kv, S, Dh)`` with ``H`` a multiple of
+``H_kv`` (grouped heads); inside, queries ``(B, H_kv, G, L, Dh)`` with ``G = H // H_kv``, so
+that one key head serves its group by broadcasting, never by a copy.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from transformer_tutorial.checks import check_int
+
+
+def online_softmax(x: Tensor, *, block_size: int) -> Tensor:
+    """softmax over the last dimension, reading ``x`` one block of ``block_size`` columns at a
+    time and keeping only a running maximum ``m`` and a running sum ``l`` of ``exp(x − m)``."""
+    check_int("block_size", block_size, at_least=1)
+    m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device)
+    l = torch.zeros_like(m)  # noqa: E741 (the paper's name)
+    for start in range(0, x.size(-1), block_size):
+        block = x[..., start : start + block_size]
+        m_new = torch.maximum(m, block.amax(-1))
+        l = l * torch.exp(m - m_new) + torch.exp(block - m_new[..., None]).sum(-1)  # noqa: E741
+        m = m_new
+    return torch.exp(x - m[..., None]) / l[..., None]
+
+
+def _blocked(
+    rows: range, cols: range, *, offset: int, is_causal: bool, pad: Tensor | None
+) -> Tensor | None:
+    """Bool, True = blocked, for query rows ``rows`` and key columns ``cols``: broadcastable to
+    ``(B, H_kv, G, rows, cols)``. Causal is aligned bottom-right: query ``i`` sits at position
+    ``i + offset`` with ``offset = S − L``, as a step that follows a cache of ``S − L`` keys."""
+    blocked = None
+    if is_causal:
+        device = pad.device if pad is not None else None
+        i = torch.arange(rows.start, rows.stop, device=device)
+        j = torch.arange(cols.start, cols.stop, device=device)
+        blocked = j[None, :] > i[:, None] + offset  # (rows, cols)
+    if pad is not None:
+        pad_block = pad[:, None, None, None, cols.start : cols.stop]  # (B, 1, 1, 1, cols)
+        blocked = pad_block if blocked is None else blocked | pad_block
+    return blocked
+
+
+def _tiles(n: int, size: int) -> list[range]:
+    return [range(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def _forward(q, k, v, pad, is_causal, scale, block_q, block_k):
+    """Algorithm 1. ``q`` ``(B, H_kv, G, L, Dh)``, ``k``, ``v`` ``(B, H_kv, 1, S, Dh)``.
+    Returns the output like ``q`` and the log-sum-exp ``(B, H_kv, G, L)`` (−inf on a row whose
+    every key is blocked, whose output is zero)."""
+    L, S = q.size(-2), k.size(-2)
+    out = torch.zeros_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
+    for rows in _tiles(L, block_q):
+        q_i = q[..., rows.start : rows.stop, :]
+        m = torch.full(q_i.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        l = torch.zeros_like(m)  # noqa: E741
+        o = torch.zeros_like(q_i)
+        for cols in _tiles(S, block_k):
+            if is_causal and cols.start > rows.stop - 1 + (S - L):
+                break  # this tile and the rest lie above the diagonal
+            s = q_i @ k[..., cols.start : cols.stop, :].transpose(-2, -1) * scale
+            blocked = _blocked(rows, cols, offset=S - L, is_causal=is_causal, pad=pad)
+            if blocked is not None:
+                s = s.masked_fill(blocked, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows blocked so far
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(m - m_safe)
+            l = alpha * l + p.sum(-1)  # noqa: E741
+            o = alpha[..., None] * o + p @ v[..., cols.start : cols.stop, :]
+            m = m_new
+        empty = l == 0
+        out[..., rows.start : rows.stop, :] = o / l.masked_fill(empty, 1.0)[..., None]
+        lse[..., rows.start : rows.stop] = m + torch.log(l)  # log 0 = −inf where empty
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, d_out, pad, is_causal, scale, block_q, block_k):
+    """Algorithm 2: each tile's probabilities recomputed from the saved log-sum-exp."""
+    L, S = q.size(-2), k.size(-2)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    delta = (d_out * out).sum(-1)  # (B, H_kv, G, L): rowsum(dO ∘ O)
+    lse_safe = lse.masked_fill(lse == float("-inf"), 0.0)
+    for cols in _tiles(S, block_k):
+        k_j, v_j = k[..., cols.start : cols.stop, :], v[..., cols.start : cols.stop, :]
+        for rows in _tiles(L, block_q):
+            if is_causal and cols.start > rows.stop - 1 + (S - L):
+                continue
+            q_i, do_i = q[..., rows.start : rows.stop, :], d_out[..., rows.start : rows.stop, :]
+            s = q_i @ k_j.transpose(-2, -1) * scale
+            blocked = _blocked(rows, cols, offset=S - L, is_causal=is_causal, pad=pad)
+            if blocked is not None:
+                s = s.masked_fill(blocked, float("-inf"))
+            p = torch.exp(s - lse_safe[..., rows.start : rows.stop, None])
+            dv[..., cols.start : cols.stop, :] += (p.transpose(-2, -1) @ do_i).sum(2, True)
+            dp = do_i @ v_j.transpose(-2, -1)
+            ds = p * (dp - delta[..., rows.start : rows.stop, None])
+            dq[..., rows.start : rows.stop, :] += ds @ k_j * scale
+            dk[..., cols.start : cols.stop, :] += (ds.transpose(-2, -1) @ q_i).sum(2, True) * scale
+    return dq, dk, dv
+
+
+class _TiledAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, pad, is_causal, scale, block_q, block_k):
+        out, lse = _forward(q, k, v, pad, is_causal, scale, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, lse)  # O(L) besides the inputs: no score matrix
+        ctx.args = (pad, is_causal, scale, block_q, block_k)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, d_out, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def tiled_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    block_q: int = 64,
+    block_k: int = 64,
+) -> Tensor:
+    """softmax(q kᵀ · scale) v, one ``block_q × block_k`` tile of scores at a time.
+
+    Args:
+        q: ``(B, H, L, Dh)``.
+        k, v: ``(B, H_kv, S, Dh)``, ``H`` a multiple of ``H_kv`` (grouped heads).
+        key_padding_mask: bool ``(B, S)``, True = padding.
+        is_causal: query ``i`` sees keys ``j ≤ i + S − L`` (bottom-right, as a cached step;
+            ``F.scaled_dot_product_attention``'s ``is_causal`` is top-left).
+        scale: defaults to ``1 / √Dh``.
+        block_q, block_k: the tile's rows (queries) and columns (keys), at least 1.
+
+    Returns:
+        ``(B, H, L, Dh)``. A query whose every key is blocked gets a zero output and zero
+        gradients, as chapter 3's attention, never NaN.
+    """
+    check_int("block_q", block_q, at_least=1)
+    check_int("block_k", block_k, at_least=1)
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            "q must be (B, H, L, Dh), k and v the same (B, H_kv, S, Dh); got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, H, L, Dh = q.shape
+    H_kv, S = k.size(1), k.size(2)
+    if k.size(0) != B or k.size(-1) != Dh or H % H_kv:
+        raise ValueError(
+            f"k and v must be (B={B}, H_kv, S, Dh={Dh}) with H={H} a multiple of H_kv; "
+            f"got {tuple(k.shape)}"
+        )
+    if key_padding_mask is not None and (
+        key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S)
+    ):
+        raise ValueError(
+            f"key_padding_mask must be bool (B, S) = ({B}, {S}), True = padding; got "
+            f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+        )
+    scale = 1.0 / math.sqrt(Dh) if scale is None else scale
+    G = H // H_kv
+    q5 = q.view(B, H_kv, G, L, Dh)  # (B, H_kv, G, L, Dh)
+    k5, v5 = k[:, :, None], v[:, :, None]  # (B, H_kv, 1, S, Dh)
+    out = _TiledAttention.apply(q5, k5, v5, key_padding_mask, is_causal, scale, block_q, block_k)
+    return out.reshape(B, H, L, Dh)
+
+
+class PeakStorage(TorchDispatchMode):
+    """Within ``with PeakStorage() as p:``, ``p.peak`` is the most bytes held at once by the
+    storages that operations allocated there (each storage counted once, whatever its views),
+    forward and backward; ``p.live`` what is still held. Tensors made before are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._held: set[int] = set()
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._held.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in tree_flatten(result)[0]:
+            if isinstance(t, Tensor):
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                if nbytes and key not in self._held:
+                    self._held.add(key)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._release, key, nbytes)
+        return result
