@@ -24,6 +24,7 @@ from transformer_tutorial.hf_weights import (
     _require,
     _rope_parameters,
     _rope_settings,
+    check_same_settings,
 )
 from transformer_tutorial.language_model import LanguageModel
 from transformer_tutorial.lm_config import LLAMA, LMConfig
@@ -145,23 +146,12 @@ def lm_config_from_deepseek_v3(config: DeepseekV3Config) -> LMConfig:
     )
 
 
-def _setting(config: DeepseekV3Config, key: str) -> object:
-    value = getattr(config, key, None)
-    return _rope_settings(value) if key == "rope_parameters" else value
-
-
 def _pairs(
     ours: LanguageModel, theirs: DeepseekV3ForCausalLM
 ) -> Iterator[tuple[str, Tensor, Tensor]]:
     """``(their name, our tensor, theirs)`` for every weight."""
     expected = deepseek_v3_config(ours.config)
-    wrong = [
-        f"{k}: ours {getattr(expected, k)!r}, theirs {getattr(theirs.config, k)!r}"
-        for k in DEEPSEEK_MATCHING
-        if _setting(expected, k) != _setting(theirs.config, k)
-    ]
-    if wrong:
-        raise ValueError("the two models differ in " + "; ".join(wrong))
+    check_same_settings(expected, theirs.config, DEEPSEEK_MATCHING)
     for name, mine in ours.named_parameters(remove_duplicate=False):
         if name == "lm_head.weight" and ours.config.tie_embeddings:
             continue  # the embedding, already copied

@@ -15,11 +15,17 @@ it), so ours keeps ``partial_rotary_factor=1``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from transformer_tutorial.language_model import LanguageModel
 from transformer_tutorial.lm_config import LLAMA, QWEN3, LMConfig
@@ -174,13 +180,7 @@ def _llama_pairs(ours: LanguageModel, theirs: HFLlama) -> Iterator[tuple[str, Te
     """``(their name, our tensor, theirs)`` for every weight of a Llama or Qwen3 model."""
     qwen3 = isinstance(theirs, Qwen3ForCausalLM)
     expected = qwen3_config(ours.config) if qwen3 else llama_config(ours.config)
-    wrong = [
-        f"{k}: ours {getattr(expected, k)!r}, theirs {getattr(theirs.config, k)!r}"
-        for k in LLAMA_MATCHING
-        if _setting(expected, k) != _setting(theirs.config, k)
-    ]
-    if wrong:
-        raise ValueError("the two models differ in " + "; ".join(wrong))
+    check_same_settings(expected, theirs.config, LLAMA_MATCHING)
     mine = dict(ours.named_parameters(remove_duplicate=False))
     for name, mine_p in mine.items():
         if name.startswith("layers."):
@@ -195,9 +195,23 @@ def _llama_pairs(ours: LanguageModel, theirs: HFLlama) -> Iterator[tuple[str, Te
         yield their_name, mine_p, theirs.get_parameter(their_name)
 
 
-def _setting(config: LlamaConfig | Qwen3Config, key: str) -> object:
+def _setting(config: PretrainedConfig, key: str) -> object:
     value = getattr(config, key, None)
     return _rope_settings(value) if key == "rope_parameters" else value
+
+
+def check_same_settings(
+    expected: PretrainedConfig, actual: PretrainedConfig, keys: Iterable[str]
+) -> None:
+    """Refuse two ``transformers`` configs that differ in any of ``keys`` (rope parameters
+    compared by meaning: defaults written out or not), naming each difference."""
+    wrong = [
+        f"{k}: ours {getattr(expected, k)!r}, theirs {getattr(actual, k)!r}"
+        for k in keys
+        if _setting(expected, k) != _setting(actual, k)
+    ]
+    if wrong:
+        raise ValueError("the two models differ in " + "; ".join(wrong))
 
 
 def _copy_llama(ours: LanguageModel, theirs: HFLlama, *, to_theirs: bool) -> None:

@@ -28,8 +28,8 @@ from transformer_tutorial.hf_weights import (
     _check_kind,
     _require,
     _rope_settings,
-    _setting,
     _shared_fields,
+    check_same_settings,
 )
 from transformer_tutorial.language_model import LanguageModel
 from transformer_tutorial.lm_config import QWEN3, LMConfig
@@ -117,13 +117,7 @@ def _pairs(
     """``(their name, our tensors, theirs)`` for every weight: our tensors are one, or the
     experts' ``[gate_proj, up_proj]`` that their ``gate_up_proj`` stacks."""
     expected = qwen3_moe_config(ours.config)
-    wrong = [
-        f"{k}: ours {getattr(expected, k)!r}, theirs {getattr(theirs.config, k)!r}"
-        for k in MOE_MATCHING
-        if _setting(expected, k) != _setting(theirs.config, k)
-    ]
-    if wrong:
-        raise ValueError("the two models differ in " + "; ".join(wrong))
+    check_same_settings(expected, theirs.config, MOE_MATCHING)
     for name, mine in ours.named_parameters(remove_duplicate=False):
         if name == "lm_head.weight" and ours.config.tie_embeddings:
             continue  # the embedding, already copied
