@@ -441,3 +441,31 @@ def test_a_head_width_of_its_own_needs_no_divisible_d_model():
     ours = GroupedQueryAttention(30, 4, 2, d_head=16)
     assert ours.q_proj.weight.shape == (64, 30) and ours.k_proj.weight.shape == (32, 30)
     assert ours(torch.randn(1, 3, 30)).shape == (1, 3, 30)
+
+
+@pytest.mark.parametrize("preallocate", [False, True])
+def test_rewind_forgets_the_last_positions(preallocate):
+    """Decoding 6 positions, rewinding 3 and decoding 3 others equals decoding the 3 kept and
+    the 3 others from scratch (speculative decoding's rejected tokens, chapter 23)."""
+    torch.manual_seed(0)
+    ours = GroupedQueryAttention(D, H, 2, positions=_book_rotary_hook()).eval()
+    x, other = torch.randn(1, 6, D), torch.randn(1, 3, D)
+    cache = GroupedKVCache.preallocate(1, 2, 16, DH) if preallocate else GroupedKVCache()
+    fresh = GroupedKVCache()
+    with torch.no_grad():
+        ours(x, cache=cache)
+        cache.rewind(3)
+        assert (cache.seen, cache.held) == (3, 3)
+        got = ours(other, cache=cache)
+        ours(x[:, :3], cache=fresh)
+        torch.testing.assert_close(got, ours(other, cache=fresh), atol=0, rtol=0)
+    raises(lambda: cache.rewind(7), ValueError, "n=7 exceeds the 6 positions")
+    raises(lambda: cache.rewind(-1), ValueError, "n must be at least 0")
+
+
+def test_rewind_refuses_a_cache_that_dropped_positions():
+    ours = GroupedQueryAttention(D, H, 2, window=2).eval()
+    cache = GroupedKVCache()
+    with torch.no_grad():
+        ours(torch.randn(1, 4, D), cache=cache)
+    raises(lambda: cache.rewind(1), ValueError, "dropped 3 older positions")

@@ -151,6 +151,23 @@ class GroupedKVCache:
         self.seen, self.held = self.seen + n, self.held + n
         return self.k[:, :, : self.held], self.v[:, :, : self.held]
 
+    def rewind(self, n: int) -> None:
+        """Forget the last ``n`` positions, as if they had never been given (speculative
+        decoding drops the draft's rejected tokens, chapter 23). A cache that has dropped older
+        positions (a sliding window) refuses: the positions a later query needs are gone."""
+        check_int("n", n, at_least=0)
+        if self.held < self.seen:
+            raise ValueError(
+                f"the cache has dropped {self.seen - self.held} older positions (a sliding "
+                f"window): rewinding would leave later queries without them; preallocate a "
+                f"max_len that holds the whole sequence"
+            )
+        if n > self.held:
+            raise ValueError(f"n={n} exceeds the {self.held} positions the cache holds")
+        self.seen, self.held = self.seen - n, self.held - n
+        if not self.preallocated:
+            self.k, self.v = _own(self.k[:, :, : self.held]), _own(self.v[:, :, : self.held])
+
 
 class GroupedQueryAttention(nn.Module):
     """Causal self-attention of a decoder-only model with ``n_kv_heads`` key/value heads shared
