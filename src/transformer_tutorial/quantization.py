@@ -1,0 +1,153 @@
+"""Chapter 24: weight-only quantization of a model's linear layers, int8 and int4.
+
+Each weight ``(out, in)`` is cut into groups of ``group_size`` consecutive inputs of one output
+row; a group keeps one float scale and integers ``q = round(w / scale)``, symmetric around 0:
+``scale = max |w| / qmax`` with ``qmax`` 127 (int8) or 7 (int4), so ``q`` lies in ``[-127, 127]``
+or ``[-7, 7]`` (inside int4's ``[-8, 7]``). int8 keeps one group per row (per output channel,
+``group_size=None``); int4 needs smaller groups (32 to 128 inputs in practice). Both are stored
+one integer per byte (``torch.int8``): int4 is not packed two to a byte here, so its memory is
+counted as packed (:func:`weight_bytes`) but not saved. Activations stay in float: only the
+weights shrink.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+QMAX = {8: 127, 4: 7}
+
+
+def _check(bits: int, group_size: int | None, in_features: int) -> int:
+    """The group size to use (``in_features`` for None), or an error naming the argument."""
+    if bits not in QMAX:
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    if group_size is None:
+        return in_features
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive int or None, got {group_size!r}")
+    if in_features % group_size:
+        raise ValueError(
+            f"group_size={group_size} does not divide the weight's {in_features} inputs"
+        )
+    return group_size
+
+
+def quantize_weight(
+    weight: Tensor, *, bits: int, group_size: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """A float weight ``(out, in)`` → integers ``(out, in)`` int8 and scales
+    ``(out, in // group_size)`` in the weight's dtype; ``group_size=None``: one scale per row."""
+    if weight.dim() != 2 or not weight.dtype.is_floating_point:
+        raise ValueError(
+            f"weight must be a float (out, in) matrix, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    out, inp = weight.shape
+    g = _check(bits, group_size, inp)
+    groups = weight.reshape(out, inp // g, g)  # (out, G, g)
+    scale = groups.abs().amax(-1) / QMAX[bits]  # (out, G)
+    scale = scale.clamp(min=torch.finfo(weight.dtype).tiny)  # an all-zero group stays zero
+    q = torch.round(groups / scale[..., None]).clamp(-QMAX[bits], QMAX[bits])
+    return q.to(torch.int8).reshape(out, inp), scale
+
+
+def dequantize_weight(q: Tensor, scale: Tensor) -> Tensor:
+    """Integers ``(out, in)`` and scales ``(out, G)`` → the float weight they stand for."""
+    out, inp = q.shape
+    groups = q.reshape(out, scale.size(1), -1).to(scale.dtype)  # (out, G, g)
+    return (groups * scale[..., None]).reshape(out, inp)
+
+
+class QuantizedLinear(nn.Module):
+    """``nn.Linear`` with its weight held as integers and scales (the bias stays float).
+
+    int8 with one scale per row runs PyTorch's weight-only kernel
+    ``torch.ops.aten._weight_int8pack_mm`` on the CPU where this PyTorch has it; otherwise (int4,
+    groups, other devices) the weight is dequantized on each call and multiplied in float.
+    """
+
+    def __init__(self, linear: nn.Linear, *, bits: int, group_size: int | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bits = bits
+        self.group_size = _check(bits, group_size, linear.in_features)
+        q, scale = quantize_weight(linear.weight.detach(), bits=bits, group_size=group_size)
+        self.register_buffer("qweight", q)  # (out, in) int8
+        self.register_buffer("scale", scale)  # (out, G)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("bias", bias)
+
+    @property
+    def weight(self) -> Tensor:
+        """The float weight the integers stand for ``(out, in)`` (computed on each read)."""
+        return dequantize_weight(self.qweight, self.scale)
+
+    def _uses_int8_kernel(self, x: Tensor) -> bool:
+        return (
+            self.bits == 8
+            and self.scale.size(1) == 1
+            and x.device.type == "cpu"
+            and x.dtype == self.scale.dtype
+            and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(..., in)`` → ``(..., out)``."""
+        if not self._uses_int8_kernel(x):
+            return F.linear(x, self.weight.to(x.dtype), self.bias)
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale[:, 0])
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, group_size={self.group_size}"
+        )
+
+
+def quantize_linears(
+    model: nn.Module,
+    *,
+    bits: int,
+    group_size: int | None = None,
+    keep: tuple[str, ...] = ("lm_head",),
+) -> nn.Module:
+    """A copy of ``model`` whose ``nn.Linear`` layers are :class:`QuantizedLinear` (the model
+    itself is unchanged). Layers whose name ends with one of ``keep`` stay float: by default
+    the output layer, which a tied model shares with the embedding."""
+    _check(bits, group_size, group_size or 1)
+    quantized = copy.deepcopy(model)
+    for name, module in list(quantized.named_modules()):
+        if isinstance(module, nn.Linear) and not name.endswith(keep):
+            parent, _, child = name.rpartition(".")
+            new = QuantizedLinear(module, bits=bits, group_size=group_size)
+            setattr(quantized.get_submodule(parent), child, new)
+    return quantized
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights: float parameters as stored, a :class:`QuantizedLinear` as its
+    integers packed (``bits / 8`` bytes each) plus its scales and bias."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            total += m.qweight.numel() * m.bits // 8 + m.scale.numel() * m.scale.element_size()
+            if m.bias is not None:
+                total += m.bias.numel() * m.bias.element_size()
+    return total
+
+
+def round_trip_errors(model: nn.Module, quantized: nn.Module) -> dict[str, float]:
+    """Each :class:`QuantizedLinear` of ``quantized``: its round-trip error
+    ``‖W − Ŵ‖ / ‖W‖`` (Frobenius) against the float weight of the same name in ``model``."""
+    errors = {}
+    for name, m in quantized.named_modules():
+        if isinstance(m, QuantizedLinear):
+            w = model.get_submodule(name).weight.detach()
+            errors[name] = ((w - m.weight).norm() / w.norm()).item()
+    return errors

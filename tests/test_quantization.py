@@ -1,0 +1,98 @@
+"""Weight-only int8 (per output channel) and int4 (groups) quantization of linear layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import raises
+from transformer_tutorial.language_model import LanguageModel
+from transformer_tutorial.lm_config import LLAMA, LMConfig
+from transformer_tutorial.quantization import (
+    QuantizedLinear,
+    dequantize_weight,
+    quantize_linears,
+    quantize_weight,
+    round_trip_errors,
+    weight_bytes,
+)
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(8, None), (8, 16), (4, 32), (4, None)])
+def test_round_trip_is_within_half_a_step_of_each_group(bits, group_size):
+    torch.manual_seed(0)
+    w = torch.randn(24, 64)
+    w[3] = 0.0  # an all-zero row stays zero
+    q, scale = quantize_weight(w, bits=bits, group_size=group_size)
+    qmax = {8: 127, 4: 7}[bits]
+    g = group_size or 64
+    assert q.dtype == torch.int8 and scale.shape == (24, 64 // g)
+    assert q.abs().max() == qmax  # the largest |w| of a group maps to ±qmax
+    step = scale.repeat_interleave(g, dim=1)  # (24, 64)
+    assert ((dequantize_weight(q, scale) - w).abs() <= step / 2 + 1e-7).all()
+    assert not dequantize_weight(q, scale)[3].any()
+
+
+def test_int8_kernel_equals_the_dequantized_matmul():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    quantized = QuantizedLinear(linear, bits=8)
+    x = torch.randn(2, 5, 64)
+    reference = torch.nn.functional.linear(x, quantized.weight, linear.bias)
+    assert quantized._uses_int8_kernel(x) == hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    torch.testing.assert_close(quantized(x), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_quantize_linears_swaps_every_linear_but_the_kept_and_leaves_the_model():
+    torch.manual_seed(0)
+    cfg = LMConfig(
+        vocab_size=40,
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        d_ff=128,
+        max_len=16,
+        dropout=0.0,
+        **LLAMA,
+    )
+    model = LanguageModel(cfg).eval()
+    ids = torch.randint(0, 40, (2, 10))
+    before = model(ids)
+    int8 = quantize_linears(model, bits=8)
+    int4 = quantize_linears(model, bits=4, group_size=32)
+    swapped = [n for n, m in int8.named_modules() if isinstance(m, QuantizedLinear)]
+    assert len(swapped) == 2 * 7 and "lm_head" not in swapped
+    assert isinstance(model.layers[0].ff.up_proj, nn.Linear)  # the original is untouched
+    torch.testing.assert_close(model(ids), before, atol=0, rtol=0)
+    errors8, errors4 = round_trip_errors(model, int8), round_trip_errors(model, int4)
+    assert max(errors8.values()) < 0.01 < min(errors4.values()) < max(errors4.values()) < 0.2
+    assert (int8(ids) - before).abs().max() < (int4(ids) - before).abs().max()
+    floats = weight_bytes(model)
+    linear = sum(
+        m.weight.numel()
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n != "lm_head"
+    )
+    assert floats - weight_bytes(int8) == linear * 3 - 4 * sum(
+        m.scale.numel() for m in int8.modules() if isinstance(m, QuantizedLinear)
+    )
+    assert weight_bytes(int4) < weight_bytes(int8) < floats
+
+
+def test_bad_bits_and_group_sizes_are_refused_by_name():
+    w = torch.randn(8, 48)
+    raises(lambda: quantize_weight(w, bits=3), ValueError, "bits must be 4 or 8")
+    raises(
+        lambda: quantize_weight(w, bits=4, group_size=32),
+        ValueError,
+        "group_size=32 does not divide the weight's 48 inputs",
+    )
+    raises(lambda: quantize_weight(w, bits=4, group_size=0), ValueError, "group_size must be")
+    raises(lambda: quantize_weight(w.long(), bits=8), ValueError, "weight must be a float")
+    raises(lambda: quantize_linears(nn.Linear(4, 4), bits=2), ValueError, "bits must be 4 or 8")
+    raises(
+        lambda: QuantizedLinear(nn.Linear(48, 4), bits=4, group_size=64),
+        ValueError,
+        "group_size=64",
+    )
