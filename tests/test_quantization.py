@@ -42,6 +42,9 @@ def test_int8_kernel_equals_the_dequantized_matmul():
     reference = torch.nn.functional.linear(x, quantized.weight, linear.bias)
     assert quantized._uses_int8_kernel(x) == hasattr(torch.ops.aten, "_weight_int8pack_mm")
     torch.testing.assert_close(quantized(x), reference, atol=1e-5, rtol=1e-5)
+    x.requires_grad_(True)  # a gradient to x (LoRA upstream) takes the float path
+    quantized(x).sum().backward()
+    torch.testing.assert_close(x.grad, quantized.weight.sum(0).expand_as(x), atol=1e-5, rtol=0)
 
 
 def test_quantize_linears_swaps_every_linear_but_the_kept_and_leaves_the_model():

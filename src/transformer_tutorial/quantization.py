@@ -65,8 +65,9 @@ class QuantizedLinear(nn.Module):
     """``nn.Linear`` with its weight held as integers and scales (the bias stays float).
 
     int8 with one scale per row runs PyTorch's weight-only kernel
-    ``torch.ops.aten._weight_int8pack_mm`` on the CPU where this PyTorch has it; otherwise (int4,
-    groups, other devices) the weight is dequantized on each call and multiplied in float.
+    ``torch.ops.aten._weight_int8pack_mm`` on the CPU where this PyTorch has it and no gradient
+    must flow to ``x`` (it has no backward); otherwise (int4, groups, other devices, training
+    through it) the weight is dequantized on each call and multiplied in float.
     """
 
     def __init__(self, linear: nn.Linear, *, bits: int, group_size: int | None = None) -> None:
@@ -92,6 +93,7 @@ class QuantizedLinear(nn.Module):
             and x.device.type == "cpu"
             and x.dtype == self.scale.dtype
             and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+            and not (x.requires_grad and torch.is_grad_enabled())  # the kernel has no backward
         )
 
     def forward(self, x: Tensor) -> Tensor:
