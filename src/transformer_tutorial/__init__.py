@@ -32,7 +32,10 @@ frequencies for contexts longer than trained, linear, NTK, Llama 3.1's and YaRN'
 rotary), ``length_experiment`` (its measured run), ``pretrained`` (chapter 19: checkpoint folders,
 ``config.json`` and safetensors weights, read into the language model and written back),
 ``latent_attention`` (chapter 21: DeepSeek's multi-head latent attention, its cache of latents
-and the absorbed decoding form) with ``deepseek_weights`` (a dense DeepSeek-V3's weights).
+and the absorbed decoding form) with ``deepseek_weights`` (a dense DeepSeek-V3's weights);
+``paged_cache`` (chapter 23: preallocated and paged caches, continuous batching) and
+``speculative`` (speculative decoding with a draft model) with ``speculative_comparison`` (a
+draft trained beside its target, measured).
 
 Shape vocabulary, batch-first everywhere:
 
