@@ -1,7 +1,7 @@
 """Chapter 23: a target and a small draft language model trained side by side on the English
 side of Multi30k, then speculative decoding measured with them.
 
-:data:`COMPARED` holds the two configurations: the target, a Llama-style model four times
+:data:`COMPARED` holds the two configurations: the target, a Llama-style model twice
 chapter 17's in width and depth, and the draft, chapter 17's Llama-style model itself. Both are
 trained with chapter 17's recipe (:func:`~transformer_tutorial.lm_comparison.train_for`) for a
 budget of wall-clock seconds; ``python -m transformer_tutorial.speculative_comparison --model
