@@ -38,14 +38,14 @@ def online_softmax(x: Tensor, *, block_size: int) -> Tensor:
 
 
 def _blocked(
-    rows: range, cols: range, *, offset: int, is_causal: bool, pad: Tensor | None
+    rows: range, cols: range, *, offset: int, is_causal: bool, pad: Tensor | None, device
 ) -> Tensor | None:
     """Bool, True = blocked, for query rows ``rows`` and key columns ``cols``: broadcastable to
     ``(B, H_kv, G, rows, cols)``. Causal is aligned bottom-right: query ``i`` sits at position
-    ``i + offset`` with ``offset = S − L``, as a step that follows a cache of ``S − L`` keys."""
+    ``i + offset`` with ``offset = S − L``, as a step that follows a cache of ``S − L`` keys.
+    None where nothing is blocked (a causal tile wholly on or below the diagonal)."""
     blocked = None
-    if is_causal:
-        device = pad.device if pad is not None else None
+    if is_causal and cols.stop - 1 > rows.start + offset:
         i = torch.arange(rows.start, rows.stop, device=device)
         j = torch.arange(cols.start, cols.stop, device=device)
         blocked = j[None, :] > i[:, None] + offset  # (rows, cols)
@@ -75,7 +75,9 @@ def _forward(q, k, v, pad, is_causal, scale, block_q, block_k):
             if is_causal and cols.start > rows.stop - 1 + (S - L):
                 break  # this tile and the rest lie above the diagonal
             s = q_i @ k[..., cols.start : cols.stop, :].transpose(-2, -1) * scale
-            blocked = _blocked(rows, cols, offset=S - L, is_causal=is_causal, pad=pad)
+            blocked = _blocked(
+                rows, cols, offset=S - L, is_causal=is_causal, pad=pad, device=q.device
+            )
             if blocked is not None:
                 s = s.masked_fill(blocked, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
@@ -104,7 +106,9 @@ def _backward(q, k, v, out, lse, d_out, pad, is_causal, scale, block_q, block_k)
                 continue
             q_i, do_i = q[..., rows.start : rows.stop, :], d_out[..., rows.start : rows.stop, :]
             s = q_i @ k_j.transpose(-2, -1) * scale
-            blocked = _blocked(rows, cols, offset=S - L, is_causal=is_causal, pad=pad)
+            blocked = _blocked(
+                rows, cols, offset=S - L, is_causal=is_causal, pad=pad, device=q.device
+            )
             if blocked is not None:
                 s = s.masked_fill(blocked, float("-inf"))
             p = torch.exp(s - lse_safe[..., rows.start : rows.stop, None])
@@ -189,7 +193,8 @@ def tiled_attention(
 class PeakStorage(TorchDispatchMode):
     """Within ``with PeakStorage() as p:``, ``p.peak`` is the most bytes held at once by the
     storages that operations allocated there (each storage counted once, whatever its views),
-    forward and backward; ``p.live`` what is still held. Tensors made before are not counted."""
+    forward and backward; ``p.live`` what is still held. Tensors made before, and views of
+    them (a slice's storage is its whole base), are not counted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -203,11 +208,16 @@ class PeakStorage(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, Tensor)
+        }
         for t in tree_flatten(result)[0]:
             if isinstance(t, Tensor):
                 storage = t.untyped_storage()
                 key, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and key not in self._held:
+                if nbytes and key not in self._held and key not in inputs:  # not a view
                     self._held.add(key)
                     self.live += nbytes
                     self.peak = max(self.peak, self.live)
