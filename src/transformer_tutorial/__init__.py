@@ -35,7 +35,8 @@ rotary), ``length_experiment`` (its measured run), ``pretrained`` (chapter 19: c
 and the absorbed decoding form) with ``deepseek_weights`` (a dense DeepSeek-V3's weights);
 ``paged_cache`` (chapter 23: preallocated and paged caches, continuous batching) and
 ``speculative`` (speculative decoding with a draft model) with ``speculative_comparison`` (a
-draft trained beside its target, measured).
+draft trained beside its target, measured); ``quantization`` (chapter 24: weight-only int8
+and int4 linear layers) and ``lora`` (a low-rank update beside frozen weights, equal to peft's).
 
 Shape vocabulary, batch-first everywhere:
 
