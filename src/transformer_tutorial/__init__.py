@@ -33,6 +33,8 @@ rotary), ``length_experiment`` (its measured run), ``pretrained`` (chapter 19: c
 ``config.json`` and safetensors weights, read into the language model and written back),
 ``latent_attention`` (chapter 21: DeepSeek's multi-head latent attention, its cache of latents
 and the absorbed decoding form) with ``deepseek_weights`` (a dense DeepSeek-V3's weights);
+``tiled_attention`` (chapter 22: the online softmax, FlashAttention-2's tiled forward and
+backward passes, the peak storage an operation holds);
 ``paged_cache`` (chapter 23: preallocated and paged caches, continuous batching) and
 ``speculative`` (speculative decoding with a draft model) with ``speculative_comparison`` (a
 draft trained beside its target, measured); ``quantization`` (chapter 24: weight-only int8
