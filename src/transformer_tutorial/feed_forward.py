@@ -24,7 +24,8 @@ class SwiGLU(nn.Module):
 
     Args:
         d_model: D, input and output width.
-        d_ff: hidden width F (see :func:`swiglu_hidden_size`: about 8/3 · D).
+        d_ff: hidden width F: Llama 1/2 take about 8/3 · D (:func:`swiglu_hidden_size`), Llama 3
+            8B and Mistral 7B 3.5 · D, Qwen3-8B 3.0 · D; a port passes its checkpoint's.
         dropout: dropout on the gated product, before ``down_proj`` (Llama has none).
         bias: give the three projections biases (Llama's ``mlp_bias``; False).
 
