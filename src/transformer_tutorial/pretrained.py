@@ -1,14 +1,11 @@
-"""Chapter 19: real checkpoints. A folder as ``transformers`` writes it and readers download it
-— ``config.json`` and safetensors weights, whole (``model.safetensors``) or in shards that
-``model.safetensors.index.json`` names — read into the book's :class:`LanguageModel`, and ours
-written the same way, for GPT-2, Llama and Qwen3.
+"""Chapter 19: real checkpoints. A folder as ``transformers`` writes it (``config.json`` and
+safetensors weights, whole or in shards that ``model.safetensors.index.json`` names) read into
+the book's :class:`LanguageModel`, and ours written the same way, for GPT-2, Llama and Qwen3.
 
-No name or layout is repeated here. A folder is read into a weightless ``transformers`` model of
-its config, built on the ``meta`` device (shapes, no storage), whose own names are the
-checkpoint's; the tested mappings of :mod:`~transformer_tutorial.gpt2_weights` and
-:mod:`~transformer_tutorial.hf_weights` then copy between it and ours. Files, config, names and
-shapes are all checked before a weight is read, and ours is returned only whole. Tensors are
-read with ``safetensors`` (a JSON header, then raw bytes: no pickle, nothing executed).
+A folder is read into a weightless ``transformers`` model of its config on the ``meta`` device,
+whose names are the checkpoint's; the tested mappings of ``gpt2_weights`` and ``hf_weights``
+copy between it and ours, so no name is repeated here. Files, config, names and shapes are
+checked before a weight is read (safetensors: a JSON header, raw bytes, no pickle).
 """
 
 from __future__ import annotations
@@ -62,9 +59,8 @@ HEAD = "lm_head.weight"  # the output layer, left out of a tied checkpoint
 
 @dataclass(frozen=True)
 class Family:
-    """One ``model_type``: their config and model classes, the config functions and weight
-    copies both ways, the config fields that size the weights (a folder must state them), and
-    a pattern of stored tensors that are not weights."""
+    """One ``model_type``: their classes, configs and weight copies both ways, the fields that
+    size the weights (a folder must state them), a pattern of stored tensors not weights."""
 
     config_class: type
     model_class: type[nn.Module]
@@ -119,8 +115,7 @@ FAMILIES = MappingProxyType(
 
 
 def read_config(folder: str | os.PathLike) -> LMConfig:
-    """Our :class:`LMConfig` for the ``config.json`` of a checkpoint folder; an error names the
-    field ours cannot represent."""
+    """Our config for a folder's ``config.json``; an error names a field ours cannot hold."""
     family, theirs = _read_config(Path(folder))
     return _to_ours(family, theirs, Path(folder))
 
