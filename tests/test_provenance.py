@@ -45,3 +45,14 @@ def test_machine_and_load_average_are_what_the_records_keep():
     assert {k: hardware(torch.device("cpu"), "fp32")[k] for k in facts} == facts
     load = provenance.load_average()
     assert len(load) == 3 and all(x >= 0 and round(x, 2) == x for x in load)
+
+
+def test_a_record_starts_and_finishes_with_where_and_when(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["ignored", "--model", "dense"])
+    record = provenance.start_record("transformer_tutorial.moe_comparison")
+    module = "transformer_tutorial.moe_comparison"
+    assert record["command"] == ["python", "-m", module, "--model", "dense"]
+    assert record["torch"] == torch.__version__ and "started_at" in record
+    finished = provenance.finish_record(record)
+    assert finished["finished_at"] >= finished["started_at"]
+    assert len(finished["hardware"]["load_average_at_end"]) == 3

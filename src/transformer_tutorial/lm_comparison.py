@@ -16,10 +16,8 @@ Shapes: sentences are lists of ids ``<bos> … <eos>``; batches ``(B, T)`` padde
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 
@@ -38,7 +36,7 @@ from transformer_tutorial.checks import (
 from transformer_tutorial.language_model import LanguageModel, next_token_loss
 from transformer_tutorial.lm_config import LLAMA, LMConfig
 from transformer_tutorial.multi30k import load_split
-from transformer_tutorial.provenance import git_commit, load_average, machine
+from transformer_tutorial.provenance import finish_record, start_record
 from transformer_tutorial.sampling import generate
 
 VOCAB_SIZE = 2000  # chapter 13's BPE vocabulary
@@ -193,19 +191,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.out.write_text(json.dumps(merged, indent=1) + "\n")
         return
     record = {
-        "command": ["python", "-m", "transformer_tutorial.lm_comparison", *sys.argv[1:]],
-        "git": git_commit(),
-        "hardware": {**machine(), "load_average_at_start": load_average()},
-        "torch": torch.__version__,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **start_record("transformer_tutorial.lm_comparison"),
         "seconds": args.seconds,
         "seed": args.seed,
         "runs": {args.model: run_one(args.model, args.seconds, seed=args.seed)},
     }
-    record["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    record["hardware"]["load_average_at_end"] = load_average()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    args.out.write_text(json.dumps(finish_record(record), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,8 @@ Shapes: sentences are lists of ids ``<bos> … <eos>``; batches ``(B, T)`` padde
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 
@@ -32,7 +30,7 @@ from transformer_tutorial.lm_comparison import COMPARED as LM_COMPARED
 from transformer_tutorial.lm_comparison import prepare_data, samples, validation_loss
 from transformer_tutorial.lm_config import LMConfig
 from transformer_tutorial.moe import load_balancing_loss, tokens_per_expert
-from transformer_tutorial.provenance import git_commit, load_average, machine
+from transformer_tutorial.provenance import finish_record, start_record
 
 DENSE = LM_COMPARED["llama"]  # chapter 17's Llama-style side: d_ff = 304
 COMPARED = {
@@ -188,18 +186,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.model is None:
         parser.error("--model is required unless --merge is given")
     record = {
-        "command": ["python", "-m", "transformer_tutorial.moe_comparison", *sys.argv[1:]],
-        "git": git_commit(),
-        "hardware": {**machine(), "load_average_at_start": load_average()},
-        "torch": torch.__version__,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **start_record("transformer_tutorial.moe_comparison"),
         "cpu_seconds": args.cpu_seconds,
         "runs": {args.model: run_one(args.model, args.cpu_seconds)},
     }
-    record["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    record["hardware"]["load_average_at_end"] = load_average()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    args.out.write_text(json.dumps(finish_record(record), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -71,3 +73,26 @@ def hardware(device: torch.device, precision: str, *, compiled: bool = False) ->
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def start_record(module: str) -> dict:
+    """What an experiment's record opens with: the command that makes it (``python -m module``
+    and its flags), the commit, the machine and its load, torch's version, the time."""
+    return {
+        "command": ["python", "-m", module, *sys.argv[1:]],
+        "git": git_commit(),
+        "hardware": {**machine(), "load_average_at_start": load_average()},
+        "torch": torch.__version__,
+        "started_at": _now(),
+    }
+
+
+def finish_record(record: dict) -> dict:
+    """``record`` with when it finished and the machine's load by then."""
+    record["finished_at"] = _now()
+    record["hardware"]["load_average_at_end"] = load_average()
+    return record
