@@ -40,7 +40,7 @@ measurement interleaves the two (a busy machine slows both alike) and reports th
 
 Modules: ``cli`` (arguments, settings, the run's description), ``timing`` (interleaved
 medians), ``models`` (the ``nn.Transformer`` wrapper, the batch, the timed steps), one module a
-section (``train_forward``, ``decoding``, ``beam``, ``attention``, ``llama``, ``moe``,
+section (``train_forward``, ``decoding``, ``beam``, ``attention``, ``llama``, ``lm.moe``,
 ``mla``), ``mfu`` (peaks and utilisation), ``memory`` with the fresh-process probe
 ``memory_probe``, ``report`` (table, plot, JSON) and ``__main__``.
 """

@@ -3,8 +3,9 @@ from the same config with the same weights: a training step, and greedy generati
 
 Both sides run in one process with the same dtype, the same mode (train or eval) and, on CUDA,
 the same bf16 autocast; theirs uses its ``"sdpa"`` attention, as ours does. The weights are
-copied with the package's tested mapping (:func:`~transformer_tutorial.hf_weights.copy_to_llama`)
-and, before any timing, checked in float32: the same logits on a batch, the same greedy tokens.
+copied with the package's tested mapping
+(:func:`~transformer_tutorial.lm.hf_weights.copy_to_llama`) and, before any timing, checked in
+float32: the same logits on a batch, the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from transformers import LlamaForCausalLM
 
 from bench.cli import Settings
 from bench.timing import interleaved
-from transformer_tutorial.hf_weights import copy_to_llama, llama_config
-from transformer_tutorial.language_model import LanguageModel, next_token_loss
-from transformer_tutorial.lm_comparison import VOCAB_SIZE, comparison_config
-from transformer_tutorial.lm_config import LLAMA, LMConfig
+from transformer_tutorial.lm.comparison import VOCAB_SIZE, comparison_config
+from transformer_tutorial.lm.config import LLAMA, LMConfig
+from transformer_tutorial.lm.hf_weights import copy_to_llama, llama_config
+from transformer_tutorial.lm.model import LanguageModel, next_token_loss
+from transformer_tutorial.lm.sampling import generate
 from transformer_tutorial.precision import autocast
-from transformer_tutorial.sampling import generate
 
 # The sides: their names in the timings, and the prefix of their keys in a row.
 SIDES = {"ours": "ours", "theirs": "LlamaForCausalLM"}

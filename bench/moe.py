@@ -5,7 +5,7 @@
 Both sides run in one process, in float32, on the same tokens. Theirs is the block as
 ``Qwen3MoeForCausalLM`` builds it (its experts' ``"eager"`` loop over the experts hit);
 ours groups the tokens by expert with one sort. The weights are copied with the package's
-tested mapping (:func:`~transformer_tutorial.moe_weights.copy_block_to_qwen3_moe`) and the
+tested mapping (:func:`~transformer_tutorial.lm.moe_weights.copy_block_to_qwen3_moe`) and the
 outputs compared before any timing.
 """
 
@@ -19,8 +19,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from bench.cli import Settings
 from bench.timing import interleaved
-from transformer_tutorial.moe import MixtureOfExperts
-from transformer_tutorial.moe_weights import copy_block_to_qwen3_moe
+from transformer_tutorial.lm.moe import MixtureOfExperts
+from transformer_tutorial.lm.moe_weights import copy_block_to_qwen3_moe
 
 SIDES = {"ours": "ours", "theirs": "Qwen3MoeSparseMoeBlock"}
 # (D, F, tokens, [(E, k), ...]): --quick; the CPU (Qwen3-30B-A3B's 128 experts and 8 per token

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID
-from transformer_tutorial.lm_config import LMConfig
+from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.model import TransformerConfig
 
 

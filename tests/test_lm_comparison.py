@@ -11,14 +11,14 @@ import torch
 
 from helpers import raises
 from transformer_tutorial import data
-from transformer_tutorial.language_model import LanguageModel
-from transformer_tutorial.lm_comparison import (
+from transformer_tutorial.lm.comparison import (
     COMPARED,
     comparison_config,
     main,
     train_for,
 )
-from transformer_tutorial.lm_config import LMConfig
+from transformer_tutorial.lm.config import LMConfig
+from transformer_tutorial.lm.model import LanguageModel
 
 V = 40
 

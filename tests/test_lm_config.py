@@ -6,19 +6,19 @@ import sys
 import pytest
 
 from helpers import raises
-from transformer_tutorial.lm_config import ATTENTIONS, LLAMA, POSITIONS, QWEN3, LMConfig
-from transformer_tutorial.rope_scaling import RopeScaling
+from transformer_tutorial.lm.config import ATTENTIONS, LLAMA, POSITIONS, QWEN3, LMConfig
+from transformer_tutorial.lm.rope_scaling import RopeScaling
 
 
 def test_lm_config_imports_none_of_the_modules_that_use_it():
     code = (
-        "import sys, transformer_tutorial.lm_config; "
+        "import sys, transformer_tutorial.lm.config; "
         "print(sorted(m for m in sys.modules if m.startswith('transformer_tutorial.')))"
     )
     loaded = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    for user in ("language_model", "lm_layer", "lm_pieces", "hf_weights", "gpt2_weights"):
+    for user in ("lm.model", "lm.layer", "lm.pieces", "lm.hf_weights", "lm.gpt2_weights"):
         assert f"transformer_tutorial.{user}'" not in loaded
 
 

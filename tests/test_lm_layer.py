@@ -1,6 +1,6 @@
 """lm_layer: the decoder-only layer equals PyTorch's encoder layer under a causal mask (both
 ``norm_first`` values), and with chapter 16's attention it continues from a cache without
-changing it. (The whole model: test_language_model.py.)"""
+changing it. (The whole model: test_lm_model.py.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from torch import nn
 
 from helpers import to_device
 from transformer_tutorial.copy_weights import copy_encoder_layer
-from transformer_tutorial.lm_config import LLAMA, LMConfig
-from transformer_tutorial.lm_layer import DecoderOnlyLayer
+from transformer_tutorial.lm.config import LLAMA, LMConfig
+from transformer_tutorial.lm.layer import DecoderOnlyLayer
 from transformer_tutorial.masks import causal_mask
 
 B, T, D, H, D_FF = 3, 9, 16, 4, 32

@@ -1,8 +1,8 @@
 """lm_pieces: each factory builds the piece its name chooses, with the config's sizes and eps;
 rotary positions add nothing to the embeddings and enter attention as a module hook; the LLAMA
 and QWEN3 choices are fixed and valid. (The whole model with each choice:
-test_language_model.py; equal to transformers' models: test_gpt2_weights.py,
-test_hf_weights.py.)"""
+test_lm_model.py; equal to transformers' models: test_lm_gpt2_weights.py,
+test_lm_hf_weights.py.)"""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from transformer_tutorial.attention import MultiHeadAttention
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
 from transformer_tutorial.feed_forward import SwiGLU
-from transformer_tutorial.grouped_attention import GroupedQueryAttention
 from transformer_tutorial.layers import ACTIVATIONS, FeedForward, LayerNorm
-from transformer_tutorial.lm_config import LLAMA, QWEN3, LMConfig
-from transformer_tutorial.lm_pieces import (
+from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
+from transformer_tutorial.lm.grouped_attention import GroupedQueryAttention
+from transformer_tutorial.lm.pieces import (
     LearnedPositionalEmbedding,
     PositionsInAttention,
     make_attention,
@@ -23,9 +23,9 @@ from transformer_tutorial.lm_pieces import (
     make_norm,
     make_positions,
 )
+from transformer_tutorial.lm.rope_scaling import RopeScaling, scaled_rotary
+from transformer_tutorial.lm.rotary import RotaryPositions
 from transformer_tutorial.norms import RMSNorm
-from transformer_tutorial.rope_scaling import RopeScaling, scaled_rotary
-from transformer_tutorial.rotary import RotaryPositions
 
 SIZES = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=1, d_ff=24, max_len=8)
 

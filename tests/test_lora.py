@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from helpers import raises
-from transformer_tutorial.hf_weights import LLAMA_NAMES, copy_to_llama, llama_config
-from transformer_tutorial.language_model import LanguageModel
-from transformer_tutorial.lm_config import LLAMA, LMConfig
+from transformer_tutorial.lm.config import LLAMA, LMConfig
+from transformer_tutorial.lm.hf_weights import LLAMA_NAMES, copy_to_llama, llama_config
+from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lora import (
     LoRALinear,
     add_lora,

@@ -15,10 +15,10 @@ from torch import nn
 
 from helpers import raises, tiny_config
 from transformer_tutorial.attention import MultiHeadAttention, scaled_dot_product_attention
-from transformer_tutorial.grouped_attention import GroupedKVCache, GroupedQueryAttention
-from transformer_tutorial.language_model import LanguageModel
 from transformer_tutorial.layers import DecoderLayer, EncoderLayer
-from transformer_tutorial.lm_config import LMConfig
+from transformer_tutorial.lm.config import LMConfig
+from transformer_tutorial.lm.grouped_attention import GroupedKVCache, GroupedQueryAttention
+from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.masks import (
     causal_mask,
     check_mask,

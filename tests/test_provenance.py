@@ -49,8 +49,8 @@ def test_machine_and_load_average_are_what_the_records_keep():
 
 def test_a_record_starts_and_finishes_with_where_and_when(monkeypatch):
     monkeypatch.setattr("sys.argv", ["ignored", "--model", "dense"])
-    record = provenance.start_record("transformer_tutorial.moe_comparison")
-    module = "transformer_tutorial.moe_comparison"
+    record = provenance.start_record("transformer_tutorial.lm.moe_comparison")
+    module = "transformer_tutorial.lm.moe_comparison"
     assert record["command"] == ["python", "-m", module, "--model", "dense"]
     assert record["torch"] == torch.__version__ and "started_at" in record
     finished = provenance.finish_record(record)

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from helpers import raises
-from transformer_tutorial.language_model import LanguageModel
-from transformer_tutorial.lm_config import LLAMA, LMConfig
+from transformer_tutorial.lm.config import LLAMA, LMConfig
+from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.quantization import (
     QuantizedLinear,
     dequantize_weight,

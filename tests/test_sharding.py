@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from transformer_tutorial import distributed, sharding
-from transformer_tutorial.language_model import LanguageModel, next_token_loss
-from transformer_tutorial.lm_config import LLAMA, LMConfig
+from transformer_tutorial.lm.config import LLAMA, LMConfig
+from transformer_tutorial.lm.model import LanguageModel, next_token_loss
 
 WORLD, STEPS, SAVE_AT = 2, 4, 2
 CONFIG = LMConfig(

@@ -17,28 +17,14 @@ and seeds. Chapter 12 adds ``precision`` (fp32, bf16 or fp16 with loss scaling),
 ``distributed`` (many processes under ``torchrun``) and ``dropout`` (dropout masks from a
 quarter of the random draws, on a CPU), which the trainer uses.
 
-From 2017 to today (chapters 13–17), each modern change a small switchable piece:
-``lm_config`` (the config, its choices and presets, imported by the rest), ``language_model``
-(the decoder alone, GPT), its layer ``lm_layer`` and ``lm_pieces`` (the factories that choose
-the pieces below), ``sampling`` (temperature, top-k, top-p, ``generate``),
-``gpt2_weights`` and ``hf_weights`` (weights to and from ``transformers``' GPT-2; Llama and
-Qwen3), ``norms`` (RMSNorm), ``feed_forward`` (SwiGLU), ``rotary`` (rotary position
-embeddings, three layouts), ``grouped_attention`` (grouped-query attention, QK-norm, sliding
-windows, the KV cache's bytes). ``flops`` counts a step's floating-point operations, ``checks``
-validates arguments (and the command lines' flags), ``plotting`` draws the book's figures.
-
-The pieces no tutorial proves (from chapter 18): ``rope_scaling`` (chapter 18: rotary
-frequencies for contexts longer than trained, linear, NTK, Llama 3.1's and YaRN's, and partial
-rotary), ``length_experiment`` (its measured run), ``pretrained`` (chapter 19: checkpoint folders,
-``config.json`` and safetensors weights, read into the language model and written back),
-``latent_attention`` (chapter 21: DeepSeek's multi-head latent attention, its cache of latents
-and the absorbed decoding form) with ``deepseek_weights`` (a dense DeepSeek-V3's weights);
-``tiled_attention`` (chapter 22: the online softmax, FlashAttention-2's tiled forward and
-backward passes, the peak storage an operation holds);
-``paged_cache`` (chapter 23: preallocated and paged caches, continuous batching) and
-``speculative`` (speculative decoding with a draft model) with ``speculative_comparison`` (a
-draft trained beside its target, measured); ``quantization`` (chapter 24: weight-only int8
-and int4 linear layers) and ``lora`` (a low-rank update beside frozen weights, equal to peft's).
+From 2017 to today (chapters 13–17) and the pieces no tutorial proves (18–25): the language
+model lives in the subpackage ``lm`` (see its docstring), built from the 2017 pieces above and a
+few shared ones that stay here: ``norms`` (RMSNorm), ``feed_forward`` (SwiGLU), ``flops``
+(a step's floating-point operations), ``checks`` (argument validation, the command lines'
+flags), ``plotting`` (the book's figures), ``tiled_attention`` (chapter 22: the online softmax,
+FlashAttention-2's tiled forward and backward), ``quantization`` and ``lora`` (chapter 24:
+weight-only int8/int4 layers, a low-rank update beside frozen weights) and ``sharding``
+(chapter 25: FSDP2 across processes).
 
 Shape vocabulary, batch-first everywhere:
 

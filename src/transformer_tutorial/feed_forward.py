@@ -1,6 +1,6 @@
 """Chapter 14: the SwiGLU feed-forward layer, its hidden size, and the switch between it and the
 paper's ReLU/GELU layer (:class:`transformer_tutorial.layers.FeedForward`): the one switch the
-language model's factory (:func:`transformer_tutorial.lm_pieces.make_feed_forward`) calls.
+language model's factory (:func:`transformer_tutorial.lm.pieces.make_feed_forward`) calls.
 
 Shapes: ``(B, L, D)`` → ``(B, L, D)``, each position independently; ``F`` is the hidden width
 (``d_ff``).

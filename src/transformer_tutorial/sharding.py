@@ -31,7 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from transformer_tutorial.checks import check_int
-from transformer_tutorial.language_model import LanguageModel, next_token_loss
+from transformer_tutorial.lm.model import LanguageModel, next_token_loss
 
 
 def rank_rows(batch: Tensor, *, rank: int, world_size: int) -> Tensor:

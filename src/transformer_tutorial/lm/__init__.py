@@ -1,0 +1,18 @@
+"""The language model: the decoder alone (chapter 13) with today's pieces (14-25).
+
+Imports run one way, from the config at the bottom up to the model and what uses it:
+
+- ``config``: :class:`LMConfig`, the valid choices (``POSITIONS``, ``ATTENTIONS``, ...) and the
+  ``LLAMA``/``QWEN3`` presets; imports none of the modules below.
+- the pieces: ``rotary`` (chapter 15) and ``rope_scaling`` (18), ``cache`` (one layer's keys and
+  values: growing or preallocated, in place, rewindable), ``grouped_attention`` (16),
+  ``latent_attention`` (21), ``moe`` (20); ``pieces`` holds the factories that choose them by
+  name, ``layer`` the decoder-only layer, ``model`` the :class:`LanguageModel`.
+- decoding: ``sampling`` (temperature, top-k, top-p, ``generate``), ``paged_cache`` (23: a paged
+  cache, continuous batching), ``speculative`` (23: a draft model proposes, the target verifies).
+- weights: ``gpt2_weights``, ``hf_weights`` (Llama, Qwen3), ``moe_weights`` (Qwen3-MoE),
+  ``deepseek_weights`` (DeepSeek-V3, dense), ``pretrained`` (checkpoint folders, chapter 19).
+- measured runs, each a command line with a record shipped in the package: ``comparison``
+  (chapter 17), ``length_experiment`` (18), ``moe_comparison`` (20),
+  ``speculative_comparison`` (23).
+"""

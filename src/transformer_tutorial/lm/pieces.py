@@ -1,0 +1,164 @@
+"""Chapters 13-17: the pieces a language model is built from, each chosen by name.
+
+One factory per switchable piece reads :class:`~transformer_tutorial.lm.config.LMConfig`
+and builds it: the norm (:func:`make_norm`), the feed-forward layer (:func:`make_feed_forward`),
+what adds positions to the embeddings (:func:`make_positions`) and the self-attention's head
+layout (:func:`make_attention`). GPT-2's choices and the 2017 paper's are chapter 13's; RMSNorm
+and SwiGLU chapter 14's, rotary positions chapter 15's, grouped-query attention with QK-norm
+and a sliding window chapter 16's; chapter 17 assembles them into a Llama-style model.
+
+Shapes: embeddings ``(B, T, D)``; queries ``(B, H, T, Dh)``, keys and values ``(B, Hkv, T, Dh)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from transformer_tutorial.attention import MultiHeadAttention
+from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
+from transformer_tutorial.feed_forward import SwiGLU, build_feed_forward
+from transformer_tutorial.layers import FeedForward
+from transformer_tutorial.lm.config import LMConfig
+from transformer_tutorial.lm.grouped_attention import GroupedQueryAttention
+from transformer_tutorial.lm.latent_attention import MultiHeadLatentAttention, mla_softmax_scale
+from transformer_tutorial.lm.moe import MixtureOfExperts
+from transformer_tutorial.lm.rope_scaling import scaled_rotary
+from transformer_tutorial.norms import build_norm
+
+
+def make_norm(config: LMConfig) -> nn.Module:
+    """The norm of each sub-layer (and the final one in pre-norm): ``"layer"``, LayerNorm (the
+    paper, GPT-2), or ``"rms"``, RMSNorm (Llama, chapter 14); ``layer_norm_eps`` either way."""
+    return build_norm(config.norm, config.d_model, config.layer_norm_eps)
+
+
+def make_feed_forward(config: LMConfig, layer: int = 0) -> FeedForward | SwiGLU | MixtureOfExperts:
+    """The position-wise feed-forward layer of layer ``layer``, chapter 14's switch: chapter 5's
+    layer with ``config.activation`` (``"gelu_tanh"``: GPT-2's), or with ``"swiglu"`` the gated
+    layer (Llama's ``mlp``); ``d_ff`` is the hidden width, ``bias`` the config's. Chapter 20:
+    where ``config.is_sparse(layer)``, a mixture of ``n_experts`` SwiGLU layers of ``moe_d_ff``
+    (Qwen3-MoE's sparse block)."""
+    if config.is_sparse(layer):
+        return MixtureOfExperts(
+            config.d_model,
+            config.moe_d_ff or config.d_ff,
+            config.n_experts,
+            config.n_experts_per_token,
+            norm_topk_prob=config.norm_topk_prob,
+            dropout=config.dropout,
+        )
+    return build_feed_forward(
+        config.activation, config.d_model, config.d_ff, dropout=config.dropout, bias=config.bias
+    )
+
+
+def make_attention(
+    config: LMConfig,
+) -> MultiHeadAttention | GroupedQueryAttention | MultiHeadLatentAttention:
+    """The self-attention's head layout.
+
+    ``"mha"``: chapter 4's H query heads with H key/value heads; the block calls its
+    ``project_qkv(x)`` and ``attend_heads(q, kv, attn_mask=...)``. ``"gqa"``: chapter 16's
+    :class:`GroupedQueryAttention` with ``n_kv_heads`` key/value heads, QK-norm, a sliding
+    ``window`` and, with ``positions="rope"``, chapter 15's rotation of queries and keys as its
+    position hook (with chapter 18's ``lm.rope_scaling`` and ``partial_rotary_factor``); it builds
+    its own mask and keeps its own cache. ``"mla"``: chapter 21's
+    :class:`MultiHeadLatentAttention`, called as ``"gqa"``, rotating its ``qk_rope_head_dim``
+    part (interleaved pairs with ``rope_interleave``), its scores scaled as DeepSeek's.
+    """
+    if config.attention == "mha":
+        return MultiHeadAttention(config.d_model, config.n_heads, config.dropout, bias=config.bias)
+    if config.attention == "mla":
+        return MultiHeadLatentAttention(
+            config.d_model,
+            config.n_heads,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            q_lora_rank=config.q_lora_rank,
+            positions=scaled_rotary(
+                config.qk_rope_head_dim,
+                max_len=config.max_len,
+                base=config.rope_base,
+                scaling=config.rope_scaling,
+                layout="interleaved" if config.rope_interleave else "half_split",
+            ),
+            softmax_scale=mla_softmax_scale(
+                config.qk_nope_head_dim + config.qk_rope_head_dim, config.rope_scaling
+            ),
+            dropout=config.dropout,
+        )
+    rotary = None
+    if config.positions == "rope":
+        rotary = scaled_rotary(
+            config.head_dim,
+            max_len=config.max_len,
+            base=config.rope_base,
+            scaling=config.rope_scaling,
+            partial_rotary_factor=config.partial_rotary_factor,
+        )
+    return GroupedQueryAttention(
+        config.d_model,
+        config.n_heads,
+        config.n_kv_heads,
+        d_head=config.d_head,
+        bias=config.bias,
+        qk_norm=config.qk_norm,
+        norm_eps=config.layer_norm_eps,
+        window=config.window,
+        positions=rotary,
+        dropout=config.dropout,
+    )
+
+
+def make_positions(config: LMConfig) -> nn.Module:
+    """What adds positions to the token embeddings: ``"learned"`` (GPT-2, a trained table),
+    ``"sinusoidal"`` (the paper, chapter 2) or, with ``"rope"``, nothing: rotary positions turn
+    queries and keys inside attention. Each takes ``(x, start)`` and adds dropout."""
+    if config.positions == "sinusoidal":
+        return SinusoidalPositionalEncoding(config.d_model, config.max_len, config.dropout)
+    if config.positions == "rope":
+        return PositionsInAttention(config.dropout)
+    return LearnedPositionalEmbedding(config.max_len, config.d_model, config.dropout)
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """A trained ``(max_len, D)`` table, one vector per position, added to the embeddings, then
+    dropout (GPT-2's ``wpe``).
+
+    Shapes:
+        x ``(B, T, D)`` → ``(B, T, D)``; ``start`` shifts the positions (decoding with a cache).
+    """
+
+    def __init__(self, max_len: int, d_model: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.weight = nn.Parameter(torch.zeros(max_len, d_model))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        length = x.size(1)
+        if start + length > self.max_len:
+            raise ValueError(
+                f"sequence reaches position {start + length}, beyond max_len={self.max_len}: "
+                "the table has no vector for it; shorten the input or build a larger max_len"
+            )
+        return self.dropout(x + self.weight[start : start + length])
+
+
+class PositionsInAttention(nn.Module):
+    """The embedding side of rotary positions: nothing is added, only dropout. The positions
+    enter each attention layer, where queries and keys are turned by them.
+
+    Shapes:
+        x ``(B, T, D)`` → ``(B, T, D)``; ``start`` is accepted and not needed.
+    """
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        return self.dropout(x)

@@ -1,0 +1,277 @@
+"""Chapter 15: rotary position embeddings (RoPE, Su et al. 2021).
+
+Instead of adding a position vector to the embeddings (chapter 2), RoPE rotates each query and
+key, one 2-D rotation per pair of coordinates, by an angle proportional to the position: pair
+``i`` at position ``m`` turns by ``m · θ_i`` with ``θ_i = base^(-2i/Dh)``, chapter 2's
+frequencies. A query at ``m`` dotted with a key at ``n`` then depends on ``m − n`` only.
+
+Which two coordinates form a pair is a convention, and three are in use (``LAYOUTS``):
+
+- ``"half_split"``: coordinate ``i`` pairs with ``i + Dh/2``, turned by ``+θ``
+  (``transformers``' Llama and Qwen, GPT-NeoX).
+- ``"interleaved"``: coordinate ``2i`` pairs with ``2i + 1``, turned by ``+θ`` (the RoFormer
+  paper, GPT-J, Meta's original Llama checkpoints).
+- ``"half_split_negative"``: pairs as ``"half_split"``, turned by ``−θ`` (nanochat).
+
+They are one function up to a signed permutation of each head's rows of the query and key
+projections: :func:`convert_qk_weight` moves weights from one to another.
+
+Shapes: queries and keys ``(B, H, L, Dh)``; position ids ``(B, L)`` (or ``(L,)``) integers;
+cos and sin ``(B, L, Dh)`` (or ``(L, Dh)``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from transformer_tutorial.checks import check_choice, check_int, check_number
+
+LAYOUTS = ("half_split", "interleaved", "half_split_negative")
+
+
+def _check_head_dim(head_dim: int) -> None:
+    check_int("head_dim", head_dim, at_least=2)
+    if head_dim % 2:
+        raise ValueError(
+            f"head_dim must be even (RoPE rotates pairs of coordinates), got {head_dim}"
+        )
+
+
+def rotary_frequencies(head_dim: int, base: float = 10000.0) -> Tensor:
+    """``θ_i = base^(-2i/Dh)`` for the ``Dh/2`` pairs, in float64: chapter 2's ``ω_i`` with
+    ``D`` replaced by the head width ``Dh``."""
+    _check_head_dim(head_dim)
+    check_number("base", base, low=1.0, low_open=True)
+    two_i = torch.arange(0, head_dim, 2, dtype=torch.float64)  # (Dh/2,)
+    return base ** (-two_i / head_dim)
+
+
+class RotaryEmbedding(nn.Module):
+    """The cos and sin of every angle ``m · θ_i``, looked up at the given positions.
+
+    The tables are computed once in float64 and kept as float32 non-persistent buffers: they
+    move with ``.to(device)``, are cast to the input's dtype, and stay out of checkpoints.
+    Each pair's angle appears twice, ``cat(angles, angles)``, as in ``transformers``'
+    ``LlamaRotaryEmbedding``; :func:`apply_rotary` rearranges them for the other layouts.
+
+    Args:
+        head_dim: Dh, even: RoPE rotates the ``Dh/2`` pairs of each head.
+        max_len: positions ``0 … max_len − 1`` are covered.
+        base: the base of the angles θ_i = base^(−2i/Dh), ``rope_theta`` in ``transformers``
+            (10000; Llama 3 uses 500000).
+        frequencies: θ_i to use instead, ``(Dr/2,)`` (rope scaling, chapter 18); fewer than
+            ``Dh/2`` rotate only the first ``Dr`` coordinates (partial rotary).
+        attention_scaling: multiplies the cos and sin tables once (YaRN's attention factor).
+
+    Shapes:
+        ``forward(x, position_ids)``: ``position_ids`` integer ``(B, L)`` or ``(L,)`` →
+        ``(cos, sin)``, each ``position_ids.shape + (Dr,)`` (``Dr = Dh`` unless
+        ``frequencies`` are given), in ``x``'s dtype and device (``x`` is read only for those).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        max_len: int = 4096,
+        base: float = 10000.0,
+        frequencies: Tensor | None = None,
+        attention_scaling: float = 1.0,
+    ) -> None:
+        super().__init__()
+        check_int("max_len", max_len, at_least=1)
+        check_number("attention_scaling", attention_scaling, low=0.0, low_open=True)
+        if frequencies is None:
+            theta = rotary_frequencies(head_dim, base)  # (Dh/2,)
+        else:
+            check_int("head_dim", head_dim, at_least=2)
+            if frequencies.dim() != 1 or not 1 <= len(frequencies) <= head_dim // 2:
+                raise ValueError(
+                    f"frequencies must be 1-D with 1 to head_dim/2 = {head_dim // 2} entries, "
+                    f"got shape {tuple(frequencies.shape)}"
+                )
+            theta = frequencies.double()  # (Dr/2,)
+        self.head_dim, self.max_len, self.base = head_dim, max_len, base
+        self.attention_scaling = attention_scaling
+        position = torch.arange(max_len, dtype=torch.float64)
+        angles = torch.outer(position, theta)  # (max_len, Dr/2): m · θ_i
+        angles = torch.cat([angles, angles], dim=-1)  # (max_len, Dr)
+        cos, sin = angles.cos() * attention_scaling, angles.sin() * attention_scaling
+        self.register_buffer("cos", cos.float(), persistent=False)
+        self.register_buffer("sin", sin.float(), persistent=False)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        if position_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
+        if position_ids.numel() and (position_ids.min() < 0 or position_ids.max() >= self.max_len):
+            raise ValueError(
+                f"position_ids must lie in [0, {self.max_len}), got values from "
+                f"{position_ids.min().item()} to {position_ids.max().item()}; build "
+                "RotaryEmbedding with a larger max_len"
+            )
+        position_ids = position_ids.to(self.cos.device)
+        cos, sin = self.cos[position_ids], self.sin[position_ids]  # (..., L, Dh)
+        return cos.to(x.device, x.dtype), sin.to(x.device, x.dtype)
+
+    def extra_repr(self) -> str:
+        scaled = "" if self.attention_scaling == 1.0 else f", scaling={self.attention_scaling:.4g}"
+        width = "" if self.cos.size(-1) == self.head_dim else f", rotated={self.cos.size(-1)}"
+        return f"head_dim={self.head_dim}, max_len={self.max_len}, base={self.base}{width}{scaled}"
+
+
+class RotaryPositions(nn.Module):
+    """Rotary embeddings as the position hook of an attention layer (chapter 16's
+    ``positions=``): ``(q, k, position_ids)`` → ``(q, k)`` rotated by :func:`apply_rotary`.
+
+    A module rather than a function, so that its tables are a submodule's buffers and move with
+    the model's ``.to(device)``.
+
+    Args:
+        head_dim, max_len, base, frequencies, attention_scaling: as :class:`RotaryEmbedding`.
+        layout: which coordinates pair up, one of ``LAYOUTS``: within the first ``Dr``
+            coordinates when only those rotate (partial rotary, GPT-NeoX); the rest pass.
+
+    Shapes:
+        q ``(B, H, L, Dh)``, k ``(B, Hkv, L, Dh)``, position_ids ``(B, L)`` → q, k as given.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        max_len: int = 4096,
+        base: float = 10000.0,
+        layout: str = "half_split",
+        frequencies: Tensor | None = None,
+        attention_scaling: float = 1.0,
+    ) -> None:
+        super().__init__()
+        check_choice("layout", layout, LAYOUTS)
+        self.rotary = RotaryEmbedding(
+            head_dim,
+            max_len=max_len,
+            base=base,
+            frequencies=frequencies,
+            attention_scaling=attention_scaling,
+        )
+        self.layout = layout
+
+    def forward(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.rotary(q, position_ids)  # (B, L, Dr) each
+        width = cos.size(-1)
+        if width == q.size(-1):
+            return apply_rotary(q, k, cos, sin, layout=self.layout)
+        q_turned, k_turned = apply_rotary(
+            q[..., :width], k[..., :width], cos, sin, layout=self.layout
+        )
+        return (
+            torch.cat([q_turned, q[..., width:]], dim=-1),  # (B, H, L, Dh)
+            torch.cat([k_turned, k[..., width:]], dim=-1),  # (B, Hkv, L, Dh)
+        )
+
+    def extra_repr(self) -> str:
+        return f"layout={self.layout!r}"
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``(x1, x2) → (−x2, x1)`` for the two halves of the last dimension: each half-split pair
+    ``(a, b)`` turned by 90°."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_pairs(x: Tensor) -> Tensor:
+    """``(x0, x1, x2, x3, …) → (−x1, x0, −x3, x2, …)``: each interleaved pair turned by 90°."""
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]  # (..., Dh/2) each
+    return torch.stack((-x_odd, x_even), dim=-1).flatten(-2)  # (..., Dh)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, *, layout: str = "half_split") -> Tensor:
+    """``x`` turned pair by pair: ``(a, b) → (a cos − b sin, a sin + b cos)``.
+
+    Args:
+        x: ``(B, H, L, Dh)`` queries or keys.
+        cos, sin: from :class:`RotaryEmbedding`, ``(B, L, Dh)`` or ``(L, Dh)``; they broadcast
+            over the heads.
+        layout: which coordinates pair up, one of ``LAYOUTS``.
+    """
+    check_choice("layout", layout, LAYOUTS)
+    if cos.shape != sin.shape or x.size(-1) != cos.size(-1):
+        raise ValueError(
+            f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape whose last "
+            f"size is the head width of x {tuple(x.shape)}"
+        )
+    if x.size(-1) % 2:
+        raise ValueError(f"the head width must be even, got x of shape {tuple(x.shape)}")
+    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B, 1, L, Dh): the same for every head
+    if layout == "interleaved":
+        half = cos.size(-1) // 2  # the tables hold each angle twice: (a_0 … | a_0 …)
+        cos = cos[..., :half].repeat_interleave(2, dim=-1)  # (a_0, a_0, a_1, a_1, …)
+        sin = sin[..., :half].repeat_interleave(2, dim=-1)
+        return x * cos + rotate_pairs(x) * sin
+    if layout == "half_split_negative":
+        return x * cos - rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
+
+
+def apply_rotary(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, layout: str = "half_split"
+) -> tuple[Tensor, Tensor]:
+    """Queries and keys, each turned by :func:`rotate`; with the default ``layout`` this is
+    ``transformers``' ``apply_rotary_pos_emb``. Values are never rotated."""
+    return rotate(q, cos, sin, layout=layout), rotate(k, cos, sin, layout=layout)
+
+
+def _pairing(layout: str, head_dim: int) -> tuple[Tensor, Tensor]:
+    """``(index, sign)`` with ``sign * x[index]`` = the coordinates of ``x`` (one head, in
+    ``layout``) rearranged as ``"half_split"``: first halves of the pairs, then second halves."""
+    half = head_dim // 2
+    sign = torch.ones(head_dim)
+    if layout == "interleaved":
+        index = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    else:
+        index = torch.arange(head_dim)
+    if layout == "half_split_negative":
+        sign[half:] = -1.0  # (a, b) turned by −θ is (a, −b) turned by +θ, then b negated back
+    return index, sign
+
+
+def qk_row_permutation(head_dim: int, *, source: str, target: str) -> tuple[Tensor, Tensor]:
+    """The signed permutation of one head's rows from layout ``source`` to ``target``:
+    ``row_target[r] = sign[r] * row_source[index[r]]``. Returns ``(index, sign)``, each
+    ``(Dh,)``."""
+    _check_head_dim(head_dim)
+    check_choice("source", source, LAYOUTS)
+    check_choice("target", target, LAYOUTS)
+    index_s, sign_s = _pairing(source, head_dim)
+    index_t, sign_t = _pairing(target, head_dim)
+    inverse_t = torch.argsort(index_t)  # where each target row sits in the half-split order
+    return index_s[inverse_t], (sign_s * sign_t)[inverse_t]
+
+
+def convert_qk_weight(weight: Tensor, n_heads: int, *, source: str, target: str) -> Tensor:
+    """A query or key projection's weight (or bias) moved from one RoPE layout to another.
+
+    The rows of each head are permuted (and, to or from ``"half_split_negative"``, half of them
+    negated): the model computes the same attention scores. ``interleaved → half_split`` is the
+    permutation ``transformers``' Llama conversion script applies to Meta's checkpoints. A
+    QK-norm's gains (``q_norm.weight``, ``(Dh,)``) must move by the same permutation, without
+    the sign: ``weight[index]`` with ``index`` from :func:`qk_row_permutation`.
+
+    Args:
+        weight: ``(n_heads · Dh, ...)``: ``q_proj.weight`` ``(H · Dh, D)``, a bias ``(H · Dh,)``.
+        n_heads: the heads of this projection: ``num_key_value_heads`` for ``k_proj`` under
+            grouped-query attention.
+        source, target: layouts, each one of ``LAYOUTS``.
+    """
+    check_int("n_heads", n_heads, at_least=1)
+    rows = weight.size(0) if weight.dim() else 0
+    if rows == 0 or rows % n_heads:
+        raise ValueError(
+            f"weight's first dimension ({rows}) must be n_heads={n_heads} times the head width"
+        )
+    index, sign = qk_row_permutation(rows // n_heads, source=source, target=target)
+    heads = weight.reshape(n_heads, rows // n_heads, *weight.shape[1:])  # (H, Dh, ...)
+    sign = sign.to(weight.device, weight.dtype).reshape(-1, *[1] * (weight.dim() - 1))
+    return (heads[:, index.to(weight.device)] * sign).reshape(weight.shape)

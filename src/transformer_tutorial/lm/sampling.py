@@ -1,0 +1,188 @@
+"""Chapter 13: choosing the next token — greedy, temperature, top-k, top-p — and generating.
+
+Each filter takes logits ``(B, V)`` and returns logits of the same shape with the tokens it
+rules out set to ``-inf``, so that they compose (temperature, then top-k, then top-p, the order
+``transformers`` applies them in) and softmax gives them probability 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from transformer_tutorial.checks import check_bool, check_int, check_number, check_optional_int
+from transformer_tutorial.lm.model import LanguageModel
+
+
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """``logits / temperature``: below 1 sharpens the distribution towards the most likely
+    token (greedy in the limit), above 1 flattens it towards uniform."""
+    check_number("temperature", temperature, low=0.0, low_open=True)
+    return logits / temperature
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep the ``k`` largest logits of each row (and any tied with the k-th), ``-inf`` the rest.
+
+    Shapes:
+        ``(..., V)`` → ``(..., V)``.
+    """
+    check_int("top_k", k, at_least=1)
+    k = min(k, logits.size(-1))
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1) the k-th largest
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filtering: keep the smallest set of most likely tokens whose probability
+    reaches ``p``, ``-inf`` the rest; ``p = 1`` keeps every token.
+
+    Sorted by probability, a token is kept when the tokens before it hold less than ``p``: the
+    first token is always kept, and the set stops at the token that makes the sum reach ``p``.
+    Among tokens of equal probability the lower id comes first.
+
+    The mass before a token is summed in float64 (float32 where the device has none): a float32
+    running sum over 50,000 probabilities drifts by about 1e-4 and reaches ``p`` early, which
+    drops tokens the set needs (at ``p = 1`` thousands of them).
+
+    Shapes:
+        ``(..., V)`` → ``(..., V)``.
+    """
+    check_number("top_p", p, low=0.0, high=1.0, low_open=True)
+    if p == 1.0:
+        return logits
+    wide = torch.float32 if logits.device.type == "mps" else torch.float64
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits.to(wide), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # (..., V) the mass of the tokens ranked above
+    drop_sorted = before >= p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Temperature > 0, top-k None or >= 1, top-p None or in (0, 1]; else a clear error."""
+    check_number("temperature", temperature, low=0.0, low_open=True)
+    check_optional_int("top_k", top_k, at_least=1)
+    if top_p is not None:
+        check_number("top_p", top_p, low=0.0, high=1.0, low_open=True)
+
+
+def filter_logits(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> Tensor:
+    """Temperature, then top-k (if given), then top-p (if given): the logits to sample from."""
+    check_sampling(temperature, top_k, top_p)
+    logits = apply_temperature(logits, temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    return logits
+
+
+def next_token(
+    logits: Tensor,
+    *,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """One token per row of ``logits`` ``(B, V)`` → ``(B,)``: the most likely one when
+    ``greedy``, else a sample from the filtered distribution (reproducible with a seeded
+    ``generator`` on the logits' device)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (B, V), got {tuple(logits.shape)}")
+    check_bool("greedy", greedy)
+    check_sampling(temperature, top_k, top_p)
+    if greedy:
+        return logits.argmax(dim=-1)
+    filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    # The Gumbel-max trick: argmax(log p + G) with G = -log(-log U) is a sample from p. It
+    # draws with torch.rand, whose stream a seed fixes on every torch release (that of
+    # torch.multinomial changed between 2.6 and 2.13), so a seeded sample is the same anywhere.
+    log_probs = torch.log_softmax(filtered.float(), dim=-1)  # (B, V), -inf where filtered out
+    u = torch.rand(log_probs.shape, generator=generator, device=log_probs.device)
+    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+    return (log_probs + gumbel).argmax(dim=-1)
+
+
+def check_prompt(model: LanguageModel, prompt: Tensor, max_new_tokens: int) -> None:
+    """Refuse a prompt that is not ``(B, T0)`` ids with ``T0 >= 1``, or that would grow past the
+    model's ``max_len`` with ``max_new_tokens`` more."""
+    check_int("max_new_tokens", max_new_tokens, at_least=0)
+    if prompt.dim() != 2 or prompt.size(1) < 1:
+        raise ValueError(f"prompt must be (B, T0) ids with T0 >= 1, got {tuple(prompt.shape)}")
+    total = prompt.size(1) + max_new_tokens
+    if total > model.config.max_len:
+        raise ValueError(
+            f"prompt length {prompt.size(1)} + max_new_tokens {max_new_tokens} = {total} "
+            f"exceeds the model's max_len={model.config.max_len}"
+        )
+
+
+@torch.no_grad()
+def generate(
+    model: LanguageModel,
+    prompt: Tensor,
+    max_new_tokens: int,
+    *,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Tensor:
+    """Continue each prompt by up to ``max_new_tokens`` tokens.
+
+    A row that produces ``eos_id`` is finished: later positions get ``pad_id`` (``eos_id`` when
+    None), and the loop stops once every row is finished. With ``use_cache`` each step feeds
+    only the new token and the layers' keys and values are kept (:meth:`LanguageModel.step`);
+    without, each step recomputes the whole sequence. The two give the same tokens.
+
+    Args:
+        model: a :class:`LanguageModel`, put in ``eval()`` by the caller.
+        prompt: ``(B, T0)`` ids, ``T0 >= 1``, no padding (e.g. ``<bos>`` alone).
+        greedy, temperature, top_k, top_p, generator: as :func:`next_token`.
+
+    Returns:
+        ``(B, T0 + n)`` ids, prompt included, ``n <= max_new_tokens``.
+    """
+    check_prompt(model, prompt, max_new_tokens)
+    check_optional_int("eos_id", eos_id, at_least=0)
+    check_optional_int("pad_id", pad_id, at_least=0)
+    check_sampling(temperature, top_k, top_p)
+    total = prompt.size(1) + max_new_tokens
+    fill = eos_id if pad_id is None else pad_id
+    ids = prompt
+    finished = torch.zeros(prompt.size(0), dtype=torch.bool, device=prompt.device)
+    logits, cache = model.step(prompt)
+    for _ in range(max_new_tokens):
+        token = next_token(
+            logits[:, -1],
+            greedy=greedy,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+        )  # (B,)
+        if eos_id is not None:
+            token = token.masked_fill(finished, fill)
+            finished = finished | (token == eos_id)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        if finished.all() or ids.size(1) == total:
+            break
+        if use_cache:
+            logits, cache = model.step(token[:, None], cache)
+        else:
+            logits = model(ids)
+    return ids

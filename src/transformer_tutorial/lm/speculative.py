@@ -1,0 +1,162 @@
+"""Chapter 23: speculative decoding — a small draft model proposes, the target verifies.
+
+Each round the draft proposes ``k`` tokens one by one; the target reads them all in one call,
+which gives its distribution after each; the tokens are accepted left to right while the rule
+allows, and the target's own next token follows the last accepted one, so a round emits 1 to
+``k + 1`` tokens for one call of the target. Greedy: a proposal is accepted when it is the
+target's most likely token, so the output is the target's greedy output whatever the draft
+proposes. Sampling (Leviathan et al. 2023; Chen et al. 2023): a proposal ``x`` drawn from the
+draft's ``q`` is accepted with probability ``min(1, p(x) / q(x))``, and after a rejection the
+token is drawn from ``max(0, p - q)`` normalised, which makes each emitted token's
+distribution exactly the target's ``p``.
+
+Shapes: a prompt ``(1, T0)``; distributions ``(V,)`` in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from transformer_tutorial.checks import check_bool, check_int, check_optional_int
+from transformer_tutorial.lm.model import LanguageModel, LMCache
+from transformer_tutorial.lm.paged_cache import preallocated_cache
+from transformer_tutorial.lm.sampling import check_prompt, check_sampling, filter_logits
+
+
+def acceptance_probability(p: Tensor, q: Tensor, token: int) -> Tensor:
+    """``min(1, p(token) / q(token))``: the chance that a proposal drawn from ``q`` is kept."""
+    return torch.clamp(p[token] / q[token], max=1.0)
+
+
+def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
+    """``max(0, p - q)`` normalised: what a rejected proposal is replaced by. Where ``p == q``
+    nothing is ever rejected, and ``p`` itself is returned."""
+    rest = (p - q).clamp(min=0.0)
+    total = rest.sum()
+    return p if total == 0 else rest / total
+
+
+@dataclass(frozen=True)
+class SpeculativeOutput:
+    """The ids (prompt included) and how the rounds went: tokens proposed, tokens accepted,
+    and calls of the target (one a round)."""
+
+    ids: Tensor
+    proposed: int
+    accepted: int
+    target_calls: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(self.proposed, 1)
+
+
+def _rewind(cache: LMCache, n: int) -> LMCache:
+    for layer in cache.layers:
+        layer.rewind(n)
+    return LMCache(cache.layers, cache.length - n)
+
+
+def _sample(probs: Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` ``(V,)`` by the Gumbel-max trick (as ``next_token``)."""
+    u = torch.rand(probs.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+    return int((probs.log() + gumbel).argmax())
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: LanguageModel,
+    draft: LanguageModel,
+    prompt: Tensor,
+    max_new_tokens: int,
+    *,
+    k: int,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> SpeculativeOutput:
+    """Continue ``prompt`` ``(1, T0)`` by up to ``max_new_tokens`` tokens of ``target``, the
+    ``draft`` proposing ``k`` at a time: the tokens
+    :func:`~transformer_tutorial.lm.sampling.generate` gives greedily, or samples from its
+    distribution (same filters, applied to both models). Both models keep
+    preallocated caches, rewound past the rejected proposals."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"the draft's vocabulary ({draft.config.vocab_size} tokens) must be the target's "
+            f"({target.config.vocab_size}): it proposes the target's token ids"
+        )
+    check_prompt(target, prompt, max_new_tokens)
+    if prompt.size(0) != 1:
+        raise ValueError(f"prompt must be one row (1, T0), got {tuple(prompt.shape)}")
+    check_int("k", k, at_least=1)
+    check_bool("greedy", greedy)
+    check_sampling(temperature, top_k, top_p)
+    check_optional_int("eos_id", eos_id, at_least=0)
+    total = prompt.size(1) + max_new_tokens
+    if total > draft.config.max_len:
+        raise ValueError(f"{total} positions exceed the draft's max_len={draft.config.max_len}")
+
+    def choose(logits: Tensor) -> tuple[int, Tensor]:  # a token and its distribution (V,)
+        probs = torch.softmax(
+            filter_logits(logits.double(), temperature=temperature, top_k=top_k, top_p=top_p), -1
+        )
+        return (int(logits.argmax()) if greedy else _sample(probs, generator)), probs
+
+    ids = prompt[0].tolist()
+    t_cache, d_cache = preallocated_cache(target, 1, total), preallocated_cache(draft, 1, total)
+    t_pending, d_pending = ids, ids  # the tokens each cache has not read yet
+    proposed = accepted = calls = 0
+    device = prompt.device
+    while len(ids) < total:
+        n_draft = min(k, total - len(ids))
+        # 1) the draft proposes n_draft tokens, one call each
+        proposals, qs = [], []
+        feed = d_pending
+        for _ in range(n_draft):
+            logits, d_cache = draft.step(torch.tensor([feed], device=device), d_cache)
+            token, q = choose(logits[0, -1])
+            proposals.append(token)
+            qs.append(q)
+            feed = [token]
+        # 2) the target reads the pending tokens and every proposal in one call
+        logits, t_cache = target.step(
+            torch.tensor([t_pending + proposals], device=device), t_cache
+        )
+        logits = logits[0, len(t_pending) - 1 :]  # (n_draft + 1, V): after each proposal
+        calls += 1
+        # 3) accept left to right; the target's token follows the last accepted one
+        n = 0
+        for i, token in enumerate(proposals):
+            best, p = choose(logits[i])
+            if greedy:
+                keep = token == best
+            else:
+                u = torch.rand((), generator=generator, dtype=torch.float64, device=device)
+                keep = bool(u < acceptance_probability(p, qs[i], token))
+            if not keep:
+                nxt = best if greedy else _sample(residual_distribution(p, qs[i]), generator)
+                break
+            n += 1
+        else:
+            nxt, _ = choose(logits[n_draft])
+        proposed, accepted = proposed + n_draft, accepted + n
+        new = [*proposals[:n], nxt]
+        if eos_id is not None and eos_id in new:
+            new = new[: new.index(eos_id) + 1]
+        ids = ids + new[: total - len(ids)]
+        if eos_id is not None and ids[-1] == eos_id:
+            break
+        # 4) the caches forget the rejected proposals
+        t_cache, t_pending = _rewind(t_cache, n_draft - n), [nxt]
+        if n < n_draft:
+            d_cache, d_pending = _rewind(d_cache, n_draft - 1 - n), [nxt]
+        else:  # the draft never read its last proposal
+            d_pending = [proposals[-1], nxt]
+    return SpeculativeOutput(torch.tensor([ids], device=device), proposed, accepted, calls)

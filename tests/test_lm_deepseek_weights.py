@@ -1,0 +1,134 @@
+"""deepseek_weights: a dense ``DeepseekV3ForCausalLM``'s weights copied into ours (and ours
+into theirs) give the same logits for a left-padded batch of max_len (3x YaRN's original
+length) and the same greedy tokens as generate() through our cache of latents, plain and
+left-padded, in float32 in eval mode, for test_latent_attention's configs (q_lora_rank set and
+unset, both rotary layouts, YaRN, tied embeddings); every weight there and back exactly; their
+configs we cannot map refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV3ForCausalLM
+
+from helpers import raises, randomized
+from test_lm_latent_attention import CONFIGS, T, config, left_padded
+from transformer_tutorial.lm.config import LMConfig
+from transformer_tutorial.lm.deepseek_weights import (
+    copy_from_deepseek_v3,
+    copy_to_deepseek_v3,
+    deepseek_v3_config,
+    lm_config_from_deepseek_v3,
+)
+from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.sampling import generate
+
+RTOL = 1e-5
+# Logits after three layers: their attention written out (eager) and their RMSNorm in float32,
+# ours F.sdpa: up to ~2e-5 on logits up to ~10; a weight misplaced or a layout swapped: ~1.
+LOGITS_ATOL = 1e-4
+
+
+def theirs(ours: LMConfig, seed: int | None = None) -> DeepseekV3ForCausalLM:
+    hf_config = deepseek_v3_config(ours)
+    hf_config._attn_implementation = "eager"
+    model = DeepseekV3ForCausalLM(hf_config).eval()
+    return model if seed is None else randomized(model, seed)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_copy_from_deepseek_v3_gives_their_logits(name):
+    """A left-padded batch of max_len (24 = 3x YaRN's original length): every real position."""
+    ours_config = config(**CONFIGS[name])
+    ref = theirs(ours_config, seed=0)
+    ours = LanguageModel(ours_config).eval()
+    copy_from_deepseek_v3(ours, ref)
+    ids, padding = left_padded()
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=(~padding).long()).logits
+        logits = ours(ids, padding_mask=padding)
+    real = ~padding
+    assert expected.abs().max() > 1.0
+    torch.testing.assert_close(logits[real], expected[real], atol=LOGITS_ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", ["q-lora-interleaved", "q-direct-yarn-tied"])
+def test_copy_to_deepseek_v3_gives_our_logits_and_back_every_weight(name):
+    ours = randomized(LanguageModel(config(**CONFIGS[name])), 1)
+    ref, back = theirs(ours.config), LanguageModel(ours.config)
+    copy_to_deepseek_v3(ours, ref)
+    ids = left_padded(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(ref(ids).logits, ours(ids), atol=LOGITS_ATOL, rtol=RTOL)
+    copy_from_deepseek_v3(back, ref)
+    mine, again = ours.state_dict(), back.state_dict()
+    assert mine.keys() == again.keys() and all(torch.equal(mine[k], again[k]) for k in mine)
+    assert len(mine) == len(ref.state_dict())  # every weight of theirs has a pair
+
+
+@pytest.mark.parametrize("name", ["q-lora-interleaved", "q-direct-yarn-tied"])
+def test_greedy_generation_with_our_cache_equals_their_generate(name):
+    """16 new tokens after a prompt of 8; one-by-one through our cache of latents."""
+    ours_config = config(**CONFIGS[name])
+    ref = theirs(ours_config, seed=4)
+    ours = LanguageModel(ours_config).eval()
+    copy_from_deepseek_v3(ours, ref)
+    prompt = left_padded(4)[0][:, :8]
+    expected = ref.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=T - 8,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    assert torch.equal(generate(ours, prompt, T - 8, greedy=True), expected)
+
+
+def test_left_padded_cached_greedy_equals_their_generate():
+    ours_config = config()
+    ref = theirs(ours_config, seed=5)
+    ours = LanguageModel(ours_config).eval()
+    copy_from_deepseek_v3(ours, ref)
+    ids, padding = left_padded(5)
+    prompt, padding = ids[:, :12], padding[:, :12]
+    expected = ref.generate(
+        prompt,
+        attention_mask=(~padding).long(),
+        max_new_tokens=T - 12,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    tokens, cache, new = prompt, None, prompt
+    with torch.no_grad():
+        while tokens.size(1) < T:
+            logits, cache = ours.step(new, cache, padding_mask=padding)
+            new = logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, new], dim=1)
+            padding = torch.cat([padding, torch.zeros_like(new, dtype=torch.bool)], dim=1)
+    assert torch.equal(tokens, expected)
+
+
+def test_their_configs_we_cannot_map_are_refused_by_name():
+    hf = deepseek_v3_config(config())
+    assert lm_config_from_deepseek_v3(hf) == config()
+    for key, value, phrase in (
+        ("first_k_dense_replace", 1, "mixture of experts is not mapped"),
+        ("num_key_value_heads", 2, "num_key_value_heads=2 must equal"),
+        ("qk_head_dim", 15, "qk_head_dim=15 must be qk_nope_head_dim + qk_rope_head_dim"),
+        ("attention_bias", True, "attention_bias=True"),
+    ):
+        wrong = deepseek_v3_config(config())
+        setattr(wrong, key, value)
+        raises(lambda wrong=wrong: lm_config_from_deepseek_v3(wrong), ValueError, phrase)
+    ref = theirs(config(rope_interleave=False))
+    raises(
+        lambda: copy_from_deepseek_v3(LanguageModel(config()), ref), ValueError, "rope_interleave"
+    )
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_configs_map_both_ways(name):
+    ours = config(**CONFIGS[name])
+    assert lm_config_from_deepseek_v3(deepseek_v3_config(ours)) == ours

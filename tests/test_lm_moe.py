@@ -1,0 +1,252 @@
+"""moe: the router, the experts and the block equal transformers' Qwen3MoeSparseMoeBlock
+(outputs and router logits, float32, 1e-5) for expert counts and top-k from 1 to E,
+norm_topk_prob both ways, ties included; the grouped experts equal a loop over tokens (float64);
+the load-balancing loss equals load_balancing_loss_func with and without padding; the model's
+router logits reach the caller and the loss trains the router; bad input is refused by name.
+(Whole models against Qwen3MoeForCausalLM: test_lm_moe_weights.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeSparseMoeBlock,
+    load_balancing_loss_func,
+)
+
+from helpers import lm_config, raises, randomized, to_device
+from transformer_tutorial.lm.config import QWEN3, LMConfig
+from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.moe import (
+    Experts,
+    MixtureOfExperts,
+    load_balancing_loss,
+    route,
+    tokens_per_expert,
+)
+
+D, F_, B, T = 16, 12, 3, 7
+ATOL = RTOL = 1e-5  # float32
+SHAPES = [(4, 2, True), (4, 2, False), (8, 1, False), (3, 3, True), (6, 4, False), (1, 1, True)]
+
+
+def pair(n_experts: int, top_k: int, norm: bool, seed: int = 0):
+    """Their sparse block with random weights, and ours with the same weights."""
+    config = Qwen3MoeConfig(
+        hidden_size=D,
+        moe_intermediate_size=F_,
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm,
+    )
+    theirs = randomized(Qwen3MoeSparseMoeBlock(config), seed)
+    ours = MixtureOfExperts(D, F_, n_experts, top_k, norm_topk_prob=norm).eval()
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.gate.weight)
+        gate, up = theirs.experts.gate_up_proj.chunk(2, dim=1)
+        ours.experts.gate_proj.copy_(gate)
+        ours.experts.up_proj.copy_(up)
+        ours.experts.down_proj.copy_(theirs.experts.down_proj)
+    return ours, theirs
+
+
+def x(seed: int = 0) -> torch.Tensor:
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+def router_logits_of(block: Qwen3MoeSparseMoeBlock, hidden: torch.Tensor) -> torch.Tensor:
+    return block.gate(hidden.reshape(-1, D))[0]
+
+
+@pytest.mark.parametrize(("n_experts", "top_k", "norm"), SHAPES)
+def test_block_equals_qwen3_moe_sparse_block(n_experts, top_k, norm, device):
+    ours, theirs = to_device(pair(n_experts, top_k, norm), device)
+    hidden = x().to(device)
+    with torch.no_grad():
+        got, logits = ours.forward_with_router_logits(hidden)
+        expected = theirs(hidden)
+        torch.testing.assert_close(logits, router_logits_of(theirs, hidden), atol=ATOL, rtol=RTOL)
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(ours(hidden), got)
+
+
+def test_ties_go_where_torch_topk_puts_them():
+    """Experts 1 and 2 (and 0 and 3) share a router row, so their scores tie for every token:
+    top-2 of 5 must split such pairs as torch.topk does, and as transformers does."""
+    ours, theirs = pair(5, 2, False, seed=3)
+    with torch.no_grad():
+        for block in (ours.router.weight, theirs.gate.weight):
+            block[2] = block[1]
+            block[3] = block[0]
+        hidden = x(3)
+        logits = ours.router(hidden.reshape(-1, D))
+        probs = F.softmax(logits, dim=-1)
+        _, experts = route(logits, 2, norm_topk_prob=False)
+        assert torch.equal(experts, torch.topk(probs, 2, dim=-1).indices)
+        first, second = probs.gather(1, experts).unbind(1)
+        assert (first == second).any()  # some tokens' top-2 is a tied pair
+        torch.testing.assert_close(ours(hidden), theirs(hidden), atol=ATOL, rtol=RTOL)
+
+
+def test_route_renormalises_only_with_norm_topk_prob():
+    logits = torch.randn(10, 6, generator=torch.Generator().manual_seed(0))
+    probs = logits.softmax(-1)
+    kept, experts = route(logits, 3, norm_topk_prob=False)
+    normed, same = route(logits, 3, norm_topk_prob=True)
+    assert torch.equal(experts, same)
+    torch.testing.assert_close(kept, probs.gather(1, experts))
+    torch.testing.assert_close(normed, kept / kept.sum(-1, keepdim=True))
+    assert (kept.sum(-1) < 0.99).all()
+    torch.testing.assert_close(normed.sum(-1), torch.ones(10))
+    assert (kept[:, :-1] >= kept[:, 1:]).all()  # each row in decreasing weight
+
+
+@pytest.mark.parametrize(("n_experts", "top_k"), [(4, 2), (5, 1), (3, 3)])
+def test_grouped_experts_equal_a_loop_over_tokens(n_experts, top_k):
+    """float64, against each token's chosen experts summed one by one; expert 0 is never chosen
+    (an empty group)."""
+    g = torch.Generator().manual_seed(1)
+    experts_module = Experts(n_experts, D, F_).double()
+    tokens = torch.randn(9, D, generator=g, dtype=torch.float64)
+    scores = torch.rand(9, n_experts, generator=g, dtype=torch.float64)
+    if top_k < n_experts:
+        scores[:, 0] = -1.0
+    weights, experts = scores.topk(top_k, dim=-1)
+    e = experts_module
+    expected = torch.zeros_like(tokens)
+    for n in range(9):
+        for j in range(top_k):
+            i, t = experts[n, j], tokens[n]
+            hidden = F.silu(e.gate_proj[i] @ t) * (e.up_proj[i] @ t)
+            expected[n] += weights[n, j] * (e.down_proj[i] @ hidden)
+    torch.testing.assert_close(e(tokens, experts, weights), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+@pytest.mark.parametrize("padded", [False, True])
+def test_load_balancing_loss_equals_transformers(top_k, padded):
+    """Three sparse layers pooled, as transformers pools them; padding excluded with a mask."""
+    g = torch.Generator().manual_seed(top_k)
+    layers = tuple(torch.randn(B * T, 4, generator=g) * 2 for _ in range(3))
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    padding[0, 4:], padding[2, 1:] = True, True
+    mask = (~padding).long() if padded else None
+    expected = load_balancing_loss_func(layers, 4, top_k, mask)
+    got = load_balancing_loss(layers, top_k, padding_mask=padding if padded else None)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_load_balancing_loss_is_k_when_uniform_and_ignores_padding():
+    uniform = (torch.zeros(6, 4),)
+    torch.testing.assert_close(load_balancing_loss(uniform, 2), torch.tensor(2.0))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B * T, 4, generator=g)
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    padding[1, 3:] = True
+    changed = logits.clone()
+    changed[padding.flatten()] = 10 * torch.randn(int(padding.sum()), 4, generator=g)
+    same = load_balancing_loss((changed,), 2, padding_mask=padding)
+    torch.testing.assert_close(load_balancing_loss((logits,), 2, padding_mask=padding), same)
+    assert load_balancing_loss((changed,), 2) != same  # without the mask padding counts
+    collapsed = torch.zeros(6, 4)
+    collapsed[:, 0] = 20.0  # every token to expert 0 (and, second, to expert 1)
+    assert load_balancing_loss((collapsed,), 1) > 3.9  # E · 1 · 1 = 4 at the limit
+
+
+def moe_config(**changes) -> LMConfig:
+    moe = dict(n_experts=4, n_experts_per_token=2, moe_d_ff=24, sparse_step=1)
+    return lm_config(**(dict(QWEN3) | dict(n_kv_heads=2, dropout=0.0) | moe | changes))
+
+
+def test_the_model_returns_each_sparse_layers_router_logits_and_steps_alike():
+    """Layers 0 and 2 sparse (step 1, layer 1 dense): two router logits (B·T, E); logits and
+    cache equal to step's; tokens per expert count k per real token."""
+    model = randomized(LanguageModel(moe_config(dense_layers=(1,))), 0)
+    ids = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, cache, routers = model.step_with_router_logits(ids)
+        plain, plain_cache = model.step(ids)
+    assert torch.equal(logits, plain) and cache.length == plain_cache.length == T
+    assert [tuple(r.shape) for r in routers] == [(B * T, 4)] * 2
+    assert type(model.layers[1].ff).__name__ == "SwiGLU"
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    padding[0, 5:] = True
+    counts = tokens_per_expert(routers, 2, padding_mask=padding)
+    assert counts.shape == (2, 4) and (counts.sum(1) == 2 * (B * T - 2)).all()
+
+
+def test_the_load_balancing_loss_reaches_the_router_only():
+    """Its gradient flows through the router's probabilities (the counts f have none): a small
+    step against it lowers the loss without changing the routing; the experts get none."""
+    block = randomized(MixtureOfExperts(D, F_, 4, 2), 6)
+    hidden = x(6)
+    logits = block.forward_with_router_logits(hidden)[1]
+    before = load_balancing_loss((logits,), 2)
+    before.backward()
+    assert block.experts.gate_proj.grad is None
+    with torch.no_grad():
+        block.router.weight -= 1e-2 * block.router.weight.grad
+        after = block.forward_with_router_logits(hidden)[1]
+    assert torch.equal(
+        route(after, 2, norm_topk_prob=False)[1], route(logits, 2, norm_topk_prob=False)[1]
+    )
+    assert load_balancing_loss((after,), 2) < before - 1e-4
+
+
+BAD_BLOCKS = [
+    (dict(n_experts=0, top_k=1), ValueError, "n_experts"),
+    (dict(n_experts=4, top_k=5), ValueError, "top_k=5 exceeds n_experts=4"),
+    (dict(n_experts=4, top_k=0), ValueError, "top_k"),
+    (dict(n_experts=4, top_k=2, norm_topk_prob=1), TypeError, "norm_topk_prob"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "phrase"), BAD_BLOCKS)
+def test_bad_blocks_are_refused_by_name(kwargs, error, phrase):
+    raises(lambda: MixtureOfExperts(D, F_, **kwargs), error, phrase)
+
+
+BAD_CONFIGS = [
+    (dict(n_experts=-1), "n_experts"),
+    (dict(n_experts=4, n_experts_per_token=5), "n_experts_per_token=5 exceeds n_experts=4"),
+    (dict(n_experts=0, n_experts_per_token=2), "set n_experts"),
+    (dict(n_experts=0, norm_topk_prob=True), "norm_topk_prob=True"),
+    (dict(n_experts=4, dense_layers=(3,)), "dense_layers must be a tuple of layer indices 0 to 2"),
+    (dict(n_experts=4, dense_layers=[0]), "dense_layers"),
+    (dict(n_experts=4, sparse_step=0), "sparse_step"),
+    (dict(n_experts=4, moe_d_ff=0), "moe_d_ff"),
+    (dict(n_experts=4, activation="gelu", bias=False), "activation='swiglu'"),
+    (dict(n_experts=4, activation="swiglu", bias=True), "bias=False"),
+]
+
+
+@pytest.mark.parametrize(("changes", "phrase"), BAD_CONFIGS)
+def test_bad_moe_configs_are_refused_by_name(changes, phrase):
+    base = dict(activation="swiglu", bias=False)
+    raises(lambda: lm_config(**(base | changes)), ValueError, phrase)
+
+
+def test_bad_load_balancing_inputs_are_refused_by_name():
+    logits = (torch.zeros(6, 4),)
+    raises(lambda: load_balancing_loss((), 1), ValueError, "router_logits is empty")
+    raises(lambda: load_balancing_loss(logits, 5), ValueError, "top_k=5 exceeds n_experts=4")
+    wrong = torch.zeros(2, 4, dtype=torch.bool)
+    raises(lambda: load_balancing_loss(logits, 1, padding_mask=wrong), ValueError, "B·T = 6")
+
+
+def test_the_stacked_expert_weights_are_split_once_not_indexed_per_expert():
+    """Indexing ``gate_proj[e]`` per expert gives each expert a gradient of the full stacked
+    size (128 experts: 128 full-size gradients summed, 3.8 s a backward pass at the bench's
+    CPU size instead of 0.24 s); ``unbind`` splits each stacked tensor once."""
+    block = MixtureOfExperts(D, F_, 6, 2)
+    seen, stack = set(), [block(x()).sum().grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    names = {type(node).__name__ for node in seen}
+    assert "UnbindBackward0" in names and "SelectBackward0" not in names

@@ -1,0 +1,87 @@
+"""moe_comparison: the mixture runs the dense model's active weights (plus its routers) and
+differs from it only in its feed-forward layers; train_for_cpu keeps its CPU budget, adds the
+load-balancing loss and lowers the loss; expert_load counts real tokens; records merge; the
+shipped record holds both runs at the same CPU time; bad names are refused."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from helpers import raises
+from transformer_tutorial import data
+from transformer_tutorial.lm.config import LMConfig
+from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.moe_comparison import (
+    COMPARED,
+    active_parameters,
+    comparison_config,
+    expert_load,
+    load_comparison_record,
+    main,
+    train_for_cpu,
+)
+
+V = 40
+
+
+def sentences(n: int, seed: int = 0) -> list[list[int]]:
+    """``<bos>`` and a run of counting tokens ``<eos>``: easy to learn."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        start = torch.randint(4, 20, (1,), generator=g).item()
+        rows.append([data.BOS_ID, *range(start, start + 6), data.EOS_ID])
+    return rows
+
+
+def test_the_mixture_runs_the_dense_models_active_weights():
+    dense, sparse = (comparison_config(name, 2000) for name in ("dense", "moe"))
+    with torch.device("meta"):
+        models = [LanguageModel(c) for c in (dense, sparse)]
+    active = [active_parameters(m) for m in models]
+    assert active[0] == models[0].num_parameters()  # a dense model runs every weight
+    assert active[1] - active[0] == sparse.n_layers * sparse.n_experts * sparse.d_model  # routers
+    assert models[1].num_parameters() > 2 * models[0].num_parameters()
+    moe_only = {"n_experts", "n_experts_per_token", "moe_d_ff", "norm_topk_prob"}
+    differ = {k for k in vars(dense) if getattr(dense, k) != getattr(sparse, k)}
+    assert differ == moe_only | {"router_aux_loss_coef"}
+
+
+def test_train_for_cpu_keeps_its_budget_adds_the_aux_loss_and_lowers_the_loss():
+    torch.manual_seed(0)
+    config = LMConfig(vocab_size=V, **(COMPARED["moe"] | dict(max_len=16)))
+    model = LanguageModel(config)
+    train, val = sentences(64), data.pad_batch(sentences(8, seed=1))
+    load = expert_load(model, val)
+    assert torch.tensor(load).sum(1).tolist() == [2 * int((val != data.PAD_ID).sum())] * 2
+    out = train_for_cpu(model, train, val, cpu_seconds=3.0, evaluations=3, max_tokens=128)
+    assert 3.0 <= out["cpu_seconds"] < 3.0 + 1.0 and len(out["val"]) == 4
+    assert out["val"][-1][2] < out["val"][0][2] - 0.5
+    assert all(a is not None and a >= 1.99 for a in out["aux"])  # k = 2 at best
+    dense = LanguageModel(LMConfig(vocab_size=V, **(COMPARED["dense"] | dict(max_len=16))))
+    assert train_for_cpu(dense, train, val, cpu_seconds=0.5, evaluations=1)["aux"] == [None]
+
+
+def test_records_merge(tmp_path):
+    for name in ("dense", "moe"):
+        record = {"command": [name], "hardware": {"cpu": name}, "torch": "x", "runs": {name: 1}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+    out = tmp_path / "both.json"
+    main(["--merge", str(tmp_path / "dense.json"), str(tmp_path / "moe.json"), "--out", str(out)])
+    merged = json.loads(out.read_text())
+    assert merged["commands"] == [["dense"], ["moe"]] and merged["runs"] == {"dense": 1, "moe": 1}
+    assert [h["cpu"] for h in merged["hardware"]] == ["dense", "moe"]
+
+
+def test_the_shipped_record_holds_both_runs_at_the_same_cpu_time():
+    record = load_comparison_record()
+    runs = record["runs"]
+    assert set(runs) == {"dense", "moe"}
+    assert abs(runs["moe"]["cpu_seconds"] / runs["dense"]["cpu_seconds"] - 1) < 0.01
+    assert runs["dense"]["load_before"] is None and len(runs["moe"]["load_after"]) == 2
+
+
+def test_bad_names_are_refused():
+    raises(lambda: comparison_config("sparse", 2000), ValueError, "name must be one of")

@@ -1,0 +1,122 @@
+"""Chapter 23: the preallocated and the paged cache give chapter 17's tokens (greedy, Llama- and
+Qwen3-style, float64); continuous batching gives each request the tokens it gets alone; bad
+block sizes and kinds are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import raises
+from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
+from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.paged_cache import (
+    BlockAllocator,
+    continuous_greedy,
+    greedy_with_cache,
+    paged_cache,
+    preallocated_cache,
+)
+from transformer_tutorial.lm.sampling import generate
+
+STYLES = {"llama": LLAMA, "qwen3": QWEN3}
+
+
+def _model(style: str, seed: int = 0, **overrides) -> LanguageModel:
+    torch.manual_seed(seed)
+    config = LMConfig(
+        vocab_size=50,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=2,
+        d_ff=64,
+        max_len=48,
+        **(STYLES[style] | overrides),
+    )
+    return LanguageModel(config).double().eval()
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_preallocated_and_paged_give_the_growing_caches_tokens(style, seed):
+    model = _model(style, seed)
+    prompt = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(seed))
+    want = generate(model, prompt, 30, greedy=True)
+    got = greedy_with_cache(model, prompt, 30, preallocated_cache(model, 3))
+    assert torch.equal(got, want)
+    paged = paged_cache(model, 3, n_blocks=27, block_size=4)  # 35 positions: 9 blocks a row
+    assert torch.equal(greedy_with_cache(model, prompt, 30, paged), want)
+
+
+def test_a_preallocated_cache_runs_past_a_sliding_window():
+    model = _model("qwen3", window=4)
+    prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(2))
+    want = generate(model, prompt, 20, greedy=True)
+    assert torch.equal(greedy_with_cache(model, prompt, 20, preallocated_cache(model, 2)), want)
+    small = preallocated_cache(model, 2, max_len=8)  # full: keeps the window's last 3
+    assert torch.equal(greedy_with_cache(model, prompt, 20, small), want)
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_continuous_batching_gives_each_request_its_tokens_alone(style):
+    """Seven requests of prompt lengths 1-9 and budgets 2-17, at most three at a time, in
+    blocks of 4 positions from a pool too small to hold all seven at once: each gets exactly
+    the tokens generate() gives it alone."""
+    model = _model(style, 3)
+    g = torch.Generator().manual_seed(4)
+    lengths, budgets = [5, 1, 9, 3, 7, 2, 4], [17, 6, 2, 11, 9, 14, 5]
+    prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in lengths]
+    got = continuous_greedy(model, prompts, budgets, max_batch=3, n_blocks=18, block_size=4)
+    for prompt, n, tokens in zip(prompts, budgets, got, strict=True):
+        alone = generate(model, torch.tensor([prompt]), n, greedy=True)[0, len(prompt) :]
+        assert tokens == alone.tolist()
+
+
+def test_continuous_batching_stops_a_request_at_eos():
+    model = _model("llama", 5)
+    prompts = [[1, 2, 3], [4, 5]]
+    free = continuous_greedy(model, prompts, [12, 12], max_batch=2, n_blocks=8, block_size=4)
+    eos = free[0][3]
+    got = continuous_greedy(
+        model, prompts, [12, 12], max_batch=2, n_blocks=8, block_size=4, eos_id=eos
+    )
+    assert got[0] == free[0][: free[0].index(eos) + 1]
+    stop = free[1].index(eos) + 1 if eos in free[1] else 12
+    assert got[1] == free[1][:stop]
+
+
+def test_blocks_are_given_back():
+    allocator = BlockAllocator(4, 2)
+    assert allocator.reserve(7, 3) == [0, 1]
+    assert allocator.reserve(8, 4) == [2, 3]
+    raises(lambda: allocator.reserve(7, 5), RuntimeError, "all 4 blocks of 2 positions")
+    allocator.release(8)
+    assert allocator.reserve(7, 5) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "call, error, phrase",
+    [
+        (lambda m: paged_cache(m, 1, n_blocks=4, block_size=5), ValueError, "block_size=5 must"),
+        (lambda m: paged_cache(m, 1, n_blocks=4, block_size=0), ValueError, "block_size must be"),
+        (lambda m: paged_cache(m, 1, n_blocks=0, block_size=4), ValueError, "n_blocks must be"),
+        (
+            lambda m: continuous_greedy(m, [[1]], [2, 3], max_batch=1, n_blocks=4, block_size=4),
+            ValueError,
+            "must pair up",
+        ),
+    ],
+)
+def test_bad_input_is_refused_by_name(call, error, phrase):
+    raises(lambda: call(_model("llama")), error, phrase)
+
+
+def test_the_caches_need_grouped_attention():
+    gpt2 = LanguageModel(LMConfig(vocab_size=20, d_model=16, n_heads=2, n_layers=1, max_len=8))
+    raises(lambda: preallocated_cache(gpt2, 1), ValueError, "attention='gqa'")
+    raises(
+        lambda: paged_cache(_model("llama", window=4), 1, n_blocks=2, block_size=4),
+        ValueError,
+        "no sliding window",
+    )

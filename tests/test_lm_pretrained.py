@@ -1,0 +1,485 @@
+"""pretrained: folders written by ``transformers``' own ``save_pretrained`` (GPT-2, Llama, Qwen3;
+tied and untied; one file and shards; float32 and bfloat16 stored; chapter 18's rope types) load
+into ours with their logits and ``generate()`` tokens, and ours saved loads into
+``AutoModelForCausalLM`` with ours and back with every weight equal; configs in the older style
+of downloaded files and OpenAI's GPT-2 names load too; bad folders get one error naming what is
+wrong. Every weight is drawn at random first (norms' gains around 1); nothing is downloaded."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as transformers_logging
+
+from helpers import lm_config, raises, randomized
+from transformer_tutorial.lm import pretrained
+from transformer_tutorial.lm.config import LLAMA, QWEN3
+from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.pretrained import (
+    CONFIG,
+    FAMILIES,
+    INDEX,
+    WEIGHTS,
+    load_pretrained,
+    model_type,
+    read_config,
+    save_pretrained,
+)
+from transformer_tutorial.lm.rope_scaling import RopeScaling
+from transformer_tutorial.lm.sampling import generate
+
+V, B, T = 50, 3, 16  # helpers.lm_config's vocabulary and positions
+# float32: their attention and ours compute the same sums in other orders (hf_weights' tests
+# measured up to 2.3e-5 on logits of size ~5); GPT-2's is tighter there, not needed here.
+ATOL, RTOL = 1e-4, 1e-5
+SMALL_SHARDS = 20_000  # bytes: the tiny models below (~110 kB in float32) take 4 to 7 shards
+OURS = {  # model_type: our choices for its kind (2 key/value heads for 4 query heads)
+    "gpt2": {},
+    "llama": dict(LLAMA) | dict(n_kv_heads=2),
+    "qwen3": dict(QWEN3) | dict(n_kv_heads=2),
+}
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    """transformers' progress bars and notes, off for these tests."""
+    transformers_logging.disable_progress_bar()
+    yield
+    transformers_logging.enable_progress_bar()
+
+
+def ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def theirs(kind: str, *, tie: bool, seed: int = 0, **changes) -> torch.nn.Module:
+    """Their model of our tiny config's kind, every weight drawn at random, in eval mode."""
+    family = FAMILIES[kind]
+    config = family.to_theirs(lm_config(**(OURS[kind] | dict(tie_embeddings=tie) | changes)))
+    return randomized(family.model_class(config), seed)
+
+
+def their_folder(path: Path, kind: str, *, tie=True, sharded=False, dtype=torch.float32) -> Path:
+    """A folder written by their save_pretrained: one file, or shards of ~20 kB."""
+    model = theirs(kind, tie=tie).to(dtype)
+    model.save_pretrained(path, max_shard_size=SMALL_SHARDS if sharded else "5GB")
+    return path
+
+
+def logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_file", "sharded"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_their_folder_loads_with_their_logits(kind, tie, sharded, dtype, tmp_path):
+    folder = their_folder(tmp_path, kind, tie=tie, sharded=sharded, dtype=dtype)
+    assert (folder / INDEX).exists() == sharded
+    assert not tie or head_left_out(folder)
+    ours = load_pretrained(folder)
+    assert {p.dtype for p in ours.parameters()} == {dtype}
+    assert not ours.training and ours.config.tie_embeddings == tie
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours32 = load_pretrained(folder, dtype=torch.float32)
+    for p, p32 in zip(ours.parameters(), ours32.parameters(), strict=True):
+        assert torch.equal(p.float(), p32)  # the stored values, as stored
+    x = ids()
+    expected = logits(ref, x)
+    assert expected.abs().max() > 1.0
+    torch.testing.assert_close(logits(ours32, x), expected, atol=ATOL, rtol=RTOL)
+
+
+def head_left_out(folder: Path) -> bool:
+    """Their tied checkpoints store no lm_head.weight (ours must fill it in)."""
+    files = [folder / WEIGHTS] if (folder / WEIGHTS).exists() else folder.glob("model-*")
+    return all("lm_head.weight" not in load_file(f) for f in files)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_bfloat16_folder_gives_their_bfloat16_logits(kind, tmp_path):
+    folder = their_folder(tmp_path, kind, tie=False, dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ours = load_pretrained(folder)
+    assert ref.dtype == torch.bfloat16
+    x = ids(1)
+    # bfloat16's step is 1/32 at logits of 4-8: the two orders of operations differed by up to
+    # 0.078 over 8 seeds (GPT-2; Llama's and Qwen3's by 0); a misplaced weight moves whole units
+    torch.testing.assert_close(logits(ours, x), logits(ref, x), atol=0.25, rtol=0.02)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_greedy_text_of_a_loaded_folder_equals_their_generate(kind, tmp_path):
+    folder = their_folder(tmp_path, kind, tie=False)
+    ref = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ours = load_pretrained(folder)
+    prompt = ids(2)[:, :3]
+    n = T - 3
+    expected = ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    assert torch.equal(generate(ours, prompt, n, greedy=True), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_file", "sharded"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_ours_saved_loads_in_transformers_and_back_exactly(kind, tie, sharded, dtype, tmp_path):
+    config = lm_config(**(OURS[kind] | dict(tie_embeddings=tie)))
+    exact = randomized(LanguageModel(config), 3)  # float32, every weight a value of `dtype`
+    with torch.no_grad():
+        for p in exact.parameters():
+            p.copy_(p.to(dtype))
+    ours = copy.deepcopy(exact).to(dtype)
+    assert model_type(config) == kind
+    save_pretrained(ours, tmp_path, max_shard_size=SMALL_SHARDS if sharded else None)
+    shards = sorted(p.name for p in tmp_path.glob("model*.safetensors"))
+    assert (len(shards) > 1) == sharded and (tmp_path / INDEX).exists() == sharded
+    assert not tie or head_left_out(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(ref) is FAMILIES[kind].model_class and ref.dtype == dtype
+    ref32 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    x = ids(4)
+    torch.testing.assert_close(logits(ref32, x), logits(exact, x), atol=ATOL, rtol=RTOL)
+    back = load_pretrained(tmp_path)
+    assert back.config == ours.config
+    mine, again = ours.state_dict(), back.state_dict()
+    assert mine.keys() == again.keys()
+    assert all(torch.equal(mine[k], again[k]) for k in mine)
+
+
+def test_openai_gpt2_files_load_without_prefix_and_with_their_masks(tmp_path):
+    """OpenAI's GPT-2 files name the base model's tensors (``h.0...``, not ``transformer.h.0``)
+    and keep each layer's causal mask ``h.N.attn.bias``: the names get the prefix and the
+    masks, which are not weights, are passed over."""
+    ref = theirs("gpt2", tie=True)
+    tensors = {k: v.contiguous() for k, v in ref.transformer.state_dict().items()}
+    for i in range(len(ref.transformer.h)):
+        tensors[f"h.{i}.attn.bias"] = torch.ones(1, 1, T, T, dtype=torch.uint8).tril()
+    save_file(tensors, tmp_path / WEIGHTS, metadata={"format": "pt"})
+    ref.config.to_json_file(tmp_path / CONFIG)
+    x = ids(5)
+    torch.testing.assert_close(logits(load_pretrained(tmp_path), x), logits(ref, x))
+
+
+def test_a_config_in_the_older_style_of_downloaded_files_loads(tmp_path):
+    """Files written before transformers 5 (Qwen3's and Llama 3.2's releases) say rope_theta,
+    rope_scaling: null and torch_dtype, and Qwen3's keep max_window_layers with the window off."""
+    folder = their_folder(tmp_path, "qwen3", tie=True, dtype=torch.bfloat16)
+    edit_config(folder, rope_parameters=None, dtype=None, layer_types=None)
+    edit_config(folder, rope_theta=1000000, rope_scaling=NULL, torch_dtype="bfloat16")
+    edit_config(folder, max_window_layers=28, use_sliding_window=False, sliding_window=NULL)
+    config = json.loads((folder / CONFIG).read_text())
+    assert "rope_parameters" not in config and config["rope_scaling"] is None
+    ours = load_pretrained(folder, dtype=torch.float32)
+    assert ours.config.rope_base == 1e6 and ours.config.window is None
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = ids(6)
+    torch.testing.assert_close(logits(ours, x), logits(ref, x), atol=ATOL, rtol=RTOL)
+
+
+# Chapter 18's rope types, trained length 32 read at 96; a head width of 16 puts pairs in every
+# band (as test_hf_weights' scaled models).
+ROPE_LEN = 32
+SCALINGS = {
+    "linear": dict(rope_type="linear", factor=4.0),
+    "llama3": dict(
+        rope_type="llama3",
+        factor=4.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=ROPE_LEN,
+    ),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=ROPE_LEN),
+}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("rope", SCALINGS)
+def test_scaled_rope_folders_give_their_logits_past_the_trained_length_both_ways(
+    rope, kind, tmp_path
+):
+    scaling = RopeScaling.from_parameters(SCALINGS[rope])
+    config = lm_config(**OURS[kind] | dict(d_head=16, max_len=4 * ROPE_LEN, rope_scaling=scaling))
+    ref = randomized(FAMILIES[kind].model_class(FAMILIES[kind].to_theirs(config)), 8)
+    ref.save_pretrained(tmp_path / "theirs")
+    ours = load_pretrained(tmp_path / "theirs")
+    assert ours.config == config
+    x = torch.randint(0, V, (B, 3 * ROPE_LEN), generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(logits(ours, x), logits(ref, x), atol=ATOL, rtol=RTOL)
+    save_pretrained(ours, tmp_path / "ours")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    torch.testing.assert_close(logits(again, x), logits(ours, x), atol=ATOL, rtol=RTOL)
+
+
+def test_a_llama_3_2_style_config_loads_with_its_rope_scaling(tmp_path):
+    """Llama 3.2's config.json (written before transformers 5): rope_theta 500000 and a
+    rope_scaling of type llama3 from 8,192 positions to 131,072, tied embeddings."""
+    folder = their_folder(tmp_path, "llama", tie=True, dtype=torch.bfloat16)
+    edit_config(folder, rope_parameters=None, dtype=None, max_position_embeddings=131072)
+    rope_scaling = dict(
+        factor=32.0,
+        high_freq_factor=4.0,
+        low_freq_factor=1.0,
+        original_max_position_embeddings=8192,
+        rope_type="llama3",
+    )
+    edit_config(folder, rope_theta=500000.0, rope_scaling=rope_scaling, torch_dtype="bfloat16")
+    ours = load_pretrained(folder, dtype=torch.float32)
+    assert ours.config.rope_base == 500000.0 and ours.config.rope_scaling.rope_type == "llama3"
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = ids(7)
+    torch.testing.assert_close(logits(ours, x), logits(ref, x), atol=ATOL, rtol=RTOL)
+
+
+def test_read_config_gives_our_config(tmp_path):
+    folder = their_folder(tmp_path, "qwen3", tie=True)
+    assert read_config(folder) == lm_config(**OURS["qwen3"] | dict(tie_embeddings=True))
+
+
+def shard(folder: Path, i: int) -> Path:
+    """A sharded folder's i-th shard (from 1; -1: the last)."""
+    return sorted(folder.glob("model-*.safetensors"))[i - 1 if i > 0 else i]
+
+
+def edit_config(folder: Path, **changes) -> None:
+    """Change fields of a folder's config.json; None removes a field, NULL writes null."""
+    path = folder / CONFIG
+    config = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is None:
+            config.pop(k)
+        else:
+            config[k] = None if v is NULL else v
+    path.write_text(json.dumps(config))
+
+
+NULL = object()
+
+
+def edit_tensors(path: Path, **changes) -> None:
+    """Change (None: remove) tensors of a safetensors file; names use ``__`` for dots."""
+    tensors = load_file(path)
+    for k, v in changes.items():
+        name = k.replace("__", ".")
+        if v is None:
+            tensors.pop(name)
+        else:
+            tensors[name] = v
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+BAD_FOLDERS = {  # name: (kind, tie, sharded, change to the folder, error, phrase)
+    "no_config": (
+        "llama",
+        True,
+        False,
+        lambda f: (f / CONFIG).unlink(),
+        FileNotFoundError,
+        "config.json: no such file",
+    ),
+    "no_weights": (
+        "llama",
+        True,
+        False,
+        lambda f: (f / WEIGHTS).unlink(),
+        FileNotFoundError,
+        "no weights; expected model.safetensors",
+    ),
+    "a_missing_shard": (
+        "llama",
+        True,
+        True,
+        lambda f: shard(f, 2).unlink(),
+        FileNotFoundError,
+        "missing model-00002-of-",
+    ),
+    "a_shard_lacking_a_tensor": (
+        "llama",
+        True,
+        True,
+        lambda f: edit_tensors(shard(f, -1), model__norm__weight=None),
+        ValueError,
+        "shards that lack them: model.norm.weight (model-0000",
+    ),
+    "not_safetensors": (
+        "gpt2",
+        True,
+        False,
+        lambda f: (f / WEIGHTS).write_bytes(b"\x00" * 64),
+        ValueError,
+        "model.safetensors: not a safetensors file",
+    ),
+    "no_model_type": (
+        "llama",
+        True,
+        False,
+        lambda f: edit_config(f, model_type=None),
+        ValueError,
+        "model_type=None; ours reads ['gpt2', 'llama', 'qwen3']",
+    ),
+    "an_unknown_model_type": (
+        "llama",
+        True,
+        False,
+        lambda f: edit_config(f, model_type="mistral"),
+        ValueError,
+        "model_type='mistral'",
+    ),
+    "missing_sizes": (
+        "qwen3",
+        True,
+        False,
+        lambda f: edit_config(f, hidden_size=None, num_hidden_layers=None),
+        ValueError,
+        "missing hidden_size, num_hidden_layers",
+    ),
+    "a_gpt2_activation_ours_lacks": (
+        "gpt2",
+        True,
+        False,
+        lambda f: edit_config(f, activation_function="relu"),
+        ValueError,
+        "config.json: activation_function='relu'",
+    ),
+    "a_llama_activation_ours_lacks": (
+        "llama",
+        True,
+        False,
+        lambda f: edit_config(f, hidden_act="gelu"),
+        ValueError,
+        "config.json: hidden_act='gelu'",
+    ),
+    "two_bias_switches": (
+        "llama",
+        True,
+        False,
+        lambda f: edit_config(f, mlp_bias=True),
+        ValueError,
+        "attention_bias and mlp_bias must agree",
+    ),
+    "a_window_in_some_layers": (
+        "qwen3",
+        True,
+        False,
+        lambda f: edit_config(
+            f, use_sliding_window=True, sliding_window=4, max_window_layers=1, layer_types=None
+        ),
+        ValueError,
+        "max_window_layers=0",
+    ),
+    "a_missing_tensor": (
+        "qwen3",
+        True,
+        False,
+        lambda f: edit_tensors(f / WEIGHTS, model__layers__1__self_attn__k_norm__weight=None),
+        ValueError,
+        "tensors missing model.layers.1.self_attn.k_norm.weight",
+    ),
+    "an_untied_head_left_out": (
+        "llama",
+        False,
+        False,
+        lambda f: edit_tensors(f / WEIGHTS, lm_head__weight=None),
+        ValueError,
+        "tensors missing lm_head.weight",
+    ),
+    "an_unexpected_tensor": (
+        "llama",
+        True,
+        False,
+        lambda f: edit_tensors(f / WEIGHTS, model__extra__weight=torch.ones(2)),
+        ValueError,
+        "tensors unexpected model.extra.weight",
+    ),
+    "a_tensor_of_the_wrong_shape": (
+        "gpt2",
+        True,
+        False,
+        lambda f: edit_tensors(
+            f / WEIGHTS, transformer__h__0__mlp__c_fc__weight=torch.ones(48, 32)
+        ),
+        ValueError,
+        "transformer.h.0.mlp.c_fc.weight [48, 32], expected [32, 48]",
+    ),
+    "a_config_of_another_size": (
+        "gpt2",
+        True,
+        False,
+        lambda f: edit_config(f, n_embd=64),
+        ValueError,
+        "transformer.h.0.attn.c_attn.bias [96], expected [192]",
+    ),
+    "a_tied_head_unlike_the_table": (
+        "qwen3",
+        True,
+        False,
+        lambda f: edit_tensors(f / WEIGHTS, lm_head__weight=torch.ones(V, 32)),
+        ValueError,
+        "lm_head.weight differs from model.embed_tokens.weight",
+    ),
+    "mixed_dtypes": (
+        "llama",
+        True,
+        False,
+        lambda f: edit_tensors(
+            f / WEIGHTS, model__norm__weight=torch.ones(32, dtype=torch.bfloat16)
+        ),
+        ValueError,
+        "stored as ['torch.bfloat16', 'torch.float32']: pass a dtype",
+    ),
+    "a_rope_type_ours_refuses": (
+        "llama",
+        True,
+        False,
+        lambda f: edit_config(
+            f, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+        ),
+        ValueError,
+        "config.json: rope_type='dynamic'",
+    ),
+}
+# The problems found only in the tensors' values; every other is found before one is read.
+FOUND_IN_VALUES = ("a_tied_head_unlike_the_table", "mixed_dtypes")
+
+
+@pytest.mark.parametrize("name", BAD_FOLDERS)
+def test_bad_folders_get_one_error_naming_the_problem(name, tmp_path, monkeypatch):
+    kind, tie, sharded, change, error, phrase = BAD_FOLDERS[name]
+    folder = their_folder(tmp_path / "folder", kind, tie=tie, sharded=sharded)
+    change(folder)
+    if name not in FOUND_IN_VALUES:
+        monkeypatch.setattr(pretrained, "_read", lambda *_: pytest.fail("a tensor was read"))
+    raises(lambda: load_pretrained(folder), error, phrase)
+
+
+def test_mixed_dtypes_load_when_a_dtype_is_given_and_the_dtype_is_checked(tmp_path):
+    folder = their_folder(tmp_path, "llama", tie=True)
+    edit_tensors(folder / WEIGHTS, model__norm__weight=torch.ones(32, dtype=torch.bfloat16))
+    assert load_pretrained(folder, dtype=torch.float32).norm.weight.dtype == torch.float32
+    for dtype in ("bfloat16", torch.int8):
+        raises(lambda d=dtype: load_pretrained(folder, dtype=d), TypeError, "floating torch.dtype")
+
+
+def test_saving_refuses_a_checkpoint_folder_a_bad_shard_size_and_configs_none_can_take(tmp_path):
+    ours = LanguageModel(lm_config())
+    save_pretrained(ours, tmp_path)
+    raises(lambda: save_pretrained(ours, tmp_path), FileExistsError, "holds a checkpoint")
+    shutil.rmtree(tmp_path)
+    raises(
+        lambda: save_pretrained(ours, tmp_path, max_shard_size=0),
+        ValueError,
+        "max_shard_size must be at least 1",
+    )
+    rms = LanguageModel(lm_config(norm="rms"))
+    raises(lambda: save_pretrained(rms, tmp_path), ValueError, "norm='layer'")
+    assert not tmp_path.exists()  # nothing written

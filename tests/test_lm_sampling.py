@@ -1,0 +1,254 @@
+"""sampling: top-k 1 is greedy, top-p keeps the smallest set reaching p (exactly at the
+boundary), temperature towards 0 is greedy, the filters equal transformers' warpers, a seed
+reproduces a sample, cached generation equals recomputing, EOS stops a row, and bad settings are
+refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from helpers import raises
+from transformer_tutorial.lm.config import LMConfig
+from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.sampling import (
+    apply_temperature,
+    filter_logits,
+    generate,
+    next_token,
+    top_k_filter,
+    top_p_filter,
+)
+
+V = 17
+
+
+def random_logits(rows: int = 64, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return scale * torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_lm(seed: int = 0, max_len: int = 24) -> LanguageModel:
+    torch.manual_seed(seed)
+    config = LMConfig(
+        vocab_size=V, d_model=16, n_heads=2, n_layers=2, d_ff=32, max_len=max_len, dropout=0.0
+    )
+    lm = LanguageModel(config).eval()
+    with torch.no_grad():  # larger weights than GPT-2's init: peaked, varied distributions
+        for p in lm.parameters():
+            p.mul_(8.0)
+    return lm
+
+
+def test_top_k_one_is_greedy():
+    logits = random_logits()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        sampled = next_token(logits, top_k=1, temperature=2.0, generator=g)
+        assert torch.equal(sampled, logits.argmax(-1))
+    assert torch.equal(next_token(logits, greedy=True), logits.argmax(-1))
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = random_logits()
+    kept = top_k_filter(logits, 5).isfinite()
+    assert kept.sum(-1).eq(5).all()
+    smallest_kept = logits.masked_fill(~kept, float("inf")).min(-1).values
+    largest_dropped = logits.masked_fill(kept, float("-inf")).max(-1).values
+    assert (smallest_kept > largest_dropped).all()
+    assert top_k_filter(logits, 100).isfinite().all()  # k > V keeps everything
+
+
+@pytest.mark.parametrize(
+    ("p", "kept"),
+    [(0.25, 1), (0.2500001, 2), (0.5, 2), (0.74, 3), (0.75, 3), (0.76, 4), (1.0, 4)],
+)
+def test_top_p_boundary_is_exact(p, kept):
+    """Four tokens of probability exactly 1/4 (and the rest 0): p = 0.5 keeps exactly two, the
+    smallest set whose probability reaches 0.5; a hair above keeps three."""
+    logits = torch.tensor([[0.0, 0.0, float("-inf"), 0.0, 0.0, float("-inf")]])
+    out = top_p_filter(logits, p)
+    assert out.isfinite().sum().item() == kept
+    assert out.isfinite()[0, [0, 1, 3, 4]].tolist() == [
+        i < kept for i in range(4)
+    ]  # lower id first
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_keeps_the_smallest_set_reaching_p(p):
+    logits = random_logits(seed=1)
+    probs = logits.softmax(-1)
+    kept = top_p_filter(logits, p).isfinite()
+    mass = (probs * kept).sum(-1)
+    least_kept = probs.masked_fill(~kept, float("inf")).min(-1).values
+    assert (mass >= p - 1e-6).all()  # it reaches p ...
+    assert (mass - least_kept < p).all()  # ... and without its least likely token it would not
+    assert (probs.masked_fill(kept, 0).max(-1).values <= least_kept).all()  # the most likely
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_filters_equal_transformers_warpers(seed):
+    logits = random_logits(seed=seed)
+    for k in (1, 4, 16):
+        expected = TopKLogitsWarper(top_k=k)(None, logits.clone())
+        assert torch.equal(top_k_filter(logits, k).isfinite(), expected.isfinite())
+    for p in (0.3, 0.8, 0.95):
+        expected = TopPLogitsWarper(top_p=p)(None, logits.clone())
+        # Away from the boundary (a cumulative sum within 1e-4 of p could round either way):
+        cum = logits.softmax(-1).sort(-1, descending=True).values.cumsum(-1)
+        clear = ((cum - p).abs() > 1e-4).all(-1)
+        got = top_p_filter(logits, p)
+        assert clear.sum() > 50
+        assert torch.equal(got.isfinite()[clear], expected.isfinite()[clear])
+    # The three together, in transformers' order: temperature, top-k, top-p.
+    expected = TemperatureLogitsWarper(0.7)(None, logits)
+    expected = TopPLogitsWarper(top_p=0.9)(None, TopKLogitsWarper(top_k=6)(None, expected))
+    got = filter_logits(logits, temperature=0.7, top_k=6, top_p=0.9)
+    cum = (logits / 0.7).topk(6, -1).values.softmax(-1).cumsum(-1)
+    clear = ((cum - 0.9).abs() > 1e-4).all(-1)
+    assert clear.sum() > 50
+    torch.testing.assert_close(got[clear], expected[clear], atol=1e-6, rtol=1e-6)
+
+
+def test_temperature_towards_zero_is_greedy_and_large_is_uniform():
+    logits = random_logits()
+    logits[torch.arange(len(logits)), logits.argmax(-1)] += 0.1  # no near-ties
+    g = torch.Generator().manual_seed(0)
+    sampled = next_token(logits, temperature=1e-3, generator=g)
+    assert torch.equal(sampled, logits.argmax(-1))
+    hot = apply_temperature(logits, 1e4).softmax(-1)
+    torch.testing.assert_close(hot, torch.full_like(hot, 1 / V), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.5}, {"top_k": 2}, {"top_p": 0.6}])
+def test_samples_follow_the_filtered_distribution(settings):
+    """Gumbel-max draws each token with its probability: 40,000 draws from one row land within
+    0.01 of the filtered softmax (the standard error is at most 0.0025), and never on a
+    filtered-out token."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    expected = filter_logits(logits, **settings).softmax(-1)[0]
+    g = torch.Generator().manual_seed(0)
+    draws = next_token(logits.expand(40_000, 4), generator=g, **settings)
+    seen = torch.bincount(draws, minlength=4) / draws.numel()
+    torch.testing.assert_close(seen, expected, atol=0.01, rtol=0)
+    assert (seen[expected == 0] == 0).all()
+
+
+def test_a_seeded_generator_reproduces_a_sample():
+    lm, prompt = tiny_lm(), torch.tensor([[1], [2], [3]])
+
+    def sample(seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return generate(lm, prompt, 12, top_p=0.95, generator=g)
+
+    assert torch.equal(sample(0), sample(0))
+    assert not torch.equal(sample(0), sample(1))
+
+
+@pytest.mark.parametrize("settings", [{"greedy": True}, {"top_k": 5, "temperature": 0.8}])
+def test_cached_generation_equals_recomputing(settings):
+    lm, prompt = tiny_lm(), torch.tensor([[1, 4, 2], [3, 3, 3]])
+    outs = [
+        generate(
+            lm, prompt, 15, use_cache=use, generator=torch.Generator().manual_seed(0), **settings
+        )
+        for use in (True, False)
+    ]
+    assert outs[0].shape == (2, 18)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_batched_greedy_equals_one_row_at_a_time():
+    lm, prompt = tiny_lm(), torch.tensor([[1, 4], [3, 3], [7, 0]])
+    batched = generate(lm, prompt, 10, greedy=True)
+    for row in range(3):
+        assert torch.equal(
+            batched[row : row + 1], generate(lm, prompt[row : row + 1], 10, greedy=True)
+        )
+
+
+def test_eos_finishes_a_row_and_all_finished_stops():
+    lm, prompt = tiny_lm(), torch.tensor([[1], [2], [3], [5]])
+    free = generate(lm, prompt, 20, greedy=True)
+    eos = free[0, 3].item()  # row 0 produces this token at step 3
+    out = generate(lm, prompt, 20, greedy=True, eos_id=eos, pad_id=0)
+    for row in range(4):
+        new = free[row, 1:].tolist()
+        if eos in new:
+            end = new.index(eos) + 2  # through the first EOS, prompt included
+            assert out[row, :end].tolist() == free[row, :end].tolist()
+            assert out[row, end:].eq(0).all()
+        else:
+            assert out[row].tolist() == free[row, : out.size(1)].tolist()
+    single = generate(lm, prompt[:1], 20, greedy=True, eos_id=eos)
+    assert single.size(1) == 4 and single[0, -1] == eos  # stops as soon as its only row ends
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "phrase"),
+    [
+        ({"temperature": 0.0}, ValueError, "temperature must be greater than 0.0, got 0.0"),
+        ({"temperature": -1.0}, ValueError, "temperature must be greater than 0.0"),
+        ({"top_p": 0.0}, ValueError, "top_p must be in (0.0, 1.0], got 0.0"),
+        ({"top_p": 1.5}, ValueError, "top_p must be in (0.0, 1.0], got 1.5"),
+        ({"top_k": 0}, ValueError, "top_k must be at least 1, got 0"),
+        ({"top_k": 2.5}, TypeError, "top_k must be an int"),
+    ],
+)
+def test_bad_settings_are_refused(settings, error, phrase):
+    logits = random_logits(rows=2)
+    raises(lambda: filter_logits(logits, **settings), error, phrase)
+    raises(lambda: next_token(logits, greedy=True, **settings), error, phrase)
+    raises(lambda: generate(tiny_lm(), torch.tensor([[1]]), 3, **settings), error, phrase)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"),
+    [
+        (lambda lm: generate(lm, torch.tensor([[1] * 20]), 5), ValueError, "max_len=24"),
+        (lambda lm: generate(lm, torch.tensor([1, 2]), 5), ValueError, "prompt must be (B, T0)"),
+        (lambda lm: generate(lm, torch.tensor([[1]]), -1), ValueError, "max_new_tokens must be"),
+        (lambda lm: next_token(torch.zeros(2, 3, V)), ValueError, "logits must be (B, V)"),
+    ],
+)
+def test_bad_inputs_are_refused(call, error, phrase):
+    raises(lambda: call(tiny_lm()), error, phrase)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_top_p_equals_the_warper_at_a_real_vocabulary(seed):
+    """At GPT-2's 50,257 tokens a float32 running sum from the top reaches 1 (or p) early and
+    drops tokens: at p = 1 thousands, at p = 0.9 one a row. The filter keeps exactly the
+    warper's tokens, and p = 1 is the identity."""
+    logits = 3 * torch.randn(8, 50_257, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+    for p in (0.5, 0.9, 0.99, 0.999):
+        expected = TopPLogitsWarper(top_p=p)(None, logits.clone())
+        assert torch.equal(top_p_filter(logits, p).isfinite(), expected.isfinite())
+
+
+def test_top_p_at_a_real_vocabulary_with_ties():
+    """Logits on a grid of 0.5 tie thousands of tokens. The warper breaks ties by its sort's
+    order, ours by the lower id: both keep as many tokens, of the same probabilities; where the
+    cut falls between two values they keep the same tokens."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(8, 50_257, generator=g) * 6).round() / 2
+    for p in (0.3, 0.9, 0.99):
+        expected = TopPLogitsWarper(top_p=p)(None, logits.clone()).isfinite()
+        got = top_p_filter(logits, p).isfinite()
+        assert torch.equal(got.sum(-1), expected.sum(-1))
+        for row in range(len(logits)):
+            ours, theirs = logits[row][got[row]], logits[row][expected[row]]
+            assert torch.equal(ours.sort().values, theirs.sort().values)
+            least = ours.min()
+            if not (logits[row][~got[row]] == least).any():  # no tie group split by the cut
+                assert torch.equal(got[row], expected[row])
+        kept = got[0].nonzero().squeeze(-1)
+        least_ids = kept[logits[0, kept] == logits[0, kept].min()]
+        dropped_ties = ((logits[0] == logits[0, kept].min()) & ~got[0]).nonzero()
+        if len(dropped_ties):  # the cut split a tie group: the lower ids were kept
+            assert least_ids.max() < dropped_ties.min()

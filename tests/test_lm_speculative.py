@@ -1,0 +1,155 @@
+"""Chapter 23: speculative decoding gives the target's greedy tokens whatever the draft (another
+model, the target itself, a draft that always disagrees) and any k; the rejection rule makes the
+first emitted tokens' distribution the target's, by exact enumeration in float64 (1e-12), and
+the sampler follows it; a draft of another vocabulary is refused."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from helpers import raises
+from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
+from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.sampling import generate
+from transformer_tutorial.lm.speculative import (
+    acceptance_probability,
+    residual_distribution,
+    speculative_generate,
+)
+
+V = 40
+
+
+def _model(seed: int, vocab_size: int = V, d_model: int = 32, **style) -> LanguageModel:
+    torch.manual_seed(seed)
+    config = LMConfig(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=2,
+        d_ff=2 * d_model,
+        max_len=64,
+        **(style or LLAMA),
+    )
+    return LanguageModel(config).double().eval()
+
+
+def _disagreeing(target: LanguageModel) -> LanguageModel:
+    """The target with its output rows rolled by one: its most likely token is always the
+    target's plus one, so greedily it never agrees."""
+    draft = copy.deepcopy(target)
+    draft.config = target.config
+    with torch.no_grad():
+        draft.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.roll(1, dims=0))
+    return draft
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+@pytest.mark.parametrize("style", [LLAMA, QWEN3, dict(QWEN3, window=4)])
+def test_greedy_gives_the_targets_tokens_whatever_the_draft(k, style):
+    target = _model(0, **style)
+    prompt = torch.randint(0, V, (1, 4), generator=torch.Generator().manual_seed(k))
+    want = generate(target, prompt, 30, greedy=True)
+    drafts = {"other": _model(1, d_model=16), "itself": target, "wrong": _disagreeing(target)}
+    for name, draft in drafts.items():
+        out = speculative_generate(target, draft, prompt, 30, k=k, greedy=True)
+        assert torch.equal(out.ids, want), name
+    assert speculative_generate(target, target, prompt, 30, k=k, greedy=True).acceptance_rate == 1
+    wrong = speculative_generate(target, drafts["wrong"], prompt, 30, k=k, greedy=True)
+    assert wrong.accepted == 0 and wrong.target_calls == 30
+
+
+def test_greedy_stops_at_eos_as_generate():
+    target, draft = _model(0), _model(1, d_model=16)
+    prompt = torch.tensor([[3, 5]])
+    free = generate(target, prompt, 30, greedy=True)[0, 2:].tolist()
+    eos = free[5]
+    want = generate(target, prompt, 30, greedy=True, eos_id=eos)
+    got = speculative_generate(target, draft, prompt, 30, k=4, greedy=True, eos_id=eos)
+    assert torch.equal(got.ids, want)
+
+
+def _sharp(model: LanguageModel) -> LanguageModel:
+    """Output weights 15 times larger: distributions far from uniform, and far apart."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(15)
+    return model
+
+
+def _probs(model: LanguageModel, ids: list[int]) -> torch.Tensor:
+    return torch.softmax(model(torch.tensor([ids]))[0, -1].double(), -1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_rejection_rule_gives_the_targets_distribution_exactly(seed):
+    """Enumerate every draft proposal (k = 2) and every branch of the rule, on a vocabulary of
+    5: the distribution of the first two emitted tokens is p(x) p(y | x) to 1e-12."""
+    target = _sharp(_model(seed, vocab_size=5))
+    draft = _sharp(_model(seed + 10, vocab_size=5, d_model=16))
+    prompt = [1, 3]
+    p1, q1 = _probs(target, prompt), _probs(draft, prompt)
+    got = torch.zeros(5, 5, dtype=torch.float64)
+    for d1, d2 in itertools.product(range(5), repeat=2):
+        p2, q2 = _probs(target, [*prompt, d1]), _probs(draft, [*prompt, d1])
+        chance = q1[d1] * q2[d2]  # the draft proposes d1, d2
+        a1, a2 = acceptance_probability(p1, q1, d1), acceptance_probability(p2, q2, d2)
+        for y in range(5):
+            # d1 rejected: x from the residual, then y from the target (the next round)
+            x_dist = residual_distribution(p1, q1)
+            for x in range(5):
+                got[x, y] += chance * (1 - a1) * x_dist[x] * _probs(target, [*prompt, x])[y]
+            # d1 accepted, d2 rejected: y from the residual after d1
+            got[d1, y] += chance * a1 * (1 - a2) * residual_distribution(p2, q2)[y]
+        got[d1, d2] += chance * a1 * a2  # both accepted (the bonus token comes third)
+    want = torch.stack([p1[x] * _probs(target, [*prompt, x]) for x in range(5)])
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert (p1 - q1).abs().max() > 0.1  # the draft differs from the target
+
+
+def test_the_sampler_follows_the_rule():
+    """2,000 first tokens sampled with a draft that differs: their frequencies are the target's
+    (within 4 standard errors), not the draft's."""
+    target = _sharp(_model(0, vocab_size=5))
+    draft = _sharp(_model(10, vocab_size=5, d_model=16))
+    prompt = torch.tensor([[1, 3]])
+    p, q = _probs(target, [1, 3]), _probs(draft, [1, 3])
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    firsts = [
+        int(speculative_generate(target, draft, prompt, 1, k=2, generator=g).ids[0, -1])
+        for _ in range(n)
+    ]
+    freq = torch.bincount(torch.tensor(firsts), minlength=5).double() / n
+    error = (p * (1 - p) / n).sqrt()
+    assert ((freq - p).abs() < 4 * error + 1e-9).all(), (freq, p)
+    assert ((freq - q).abs() > 4 * error).any()
+
+
+def test_the_rule_keeps_what_is_likelier_under_the_target():
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    q = torch.tensor([0.25, 0.6, 0.15], dtype=torch.float64)
+    assert acceptance_probability(p, q, 0) == 1 and acceptance_probability(p, q, 1) == 0.5
+    torch.testing.assert_close(
+        residual_distribution(p, q), torch.tensor([5 / 6, 0, 1 / 6]).double()
+    )
+    assert torch.equal(residual_distribution(p, p), p)
+
+
+def test_bad_input_is_refused_by_name():
+    target, prompt = _model(0), torch.tensor([[1, 2]])
+    raises(
+        lambda: speculative_generate(target, _model(1, vocab_size=41), prompt, 4, k=2),
+        ValueError,
+        "the draft's vocabulary (41 tokens) must be the target's (40)",
+    )
+    raises(lambda: speculative_generate(target, target, prompt, 4, k=0), ValueError, "k must be")
+    raises(
+        lambda: speculative_generate(target, target, prompt.expand(2, 2), 4, k=1),
+        ValueError,
+        "one row",
+    )
