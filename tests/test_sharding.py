@@ -145,3 +145,22 @@ def test_fsdp2_on_two_gloo_ranks_resumes_after_a_rank_dies_to_one_process_weight
     for kind in ("parameters", "gradients", "optimizer"):
         ratio = getattr(resumed["held"], kind) / getattr(one_held, kind)
         assert 0.45 < ratio < 0.55, (kind, ratio)
+
+
+def test_sharded_model_on_one_rank_gathers_in_every_layer(tmp_path):
+    """The model calls its layers' ``forward_with_router_logits``, not the layers themselves:
+    ``shard_model`` makes FSDP gather around that method too, so a sharded model (here on a
+    world of one) runs and takes one process's steps."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        sharded, sharded_optimizer = _model_and_optimizer(shard=True)
+        model, optimizer = _model_and_optimizer(shard=False)
+        for ids in _batches()[:2]:
+            expected = sharding.train_step(model, optimizer, ids)
+            assert sharding.train_step(sharded, sharded_optimizer, ids) == pytest.approx(expected)
+        for name, weight in model.state_dict().items():
+            local = sharded.state_dict()[name].to_local()
+            torch.testing.assert_close(local, weight, rtol=0, atol=1e-12)
+    finally:
+        dist.destroy_process_group()
