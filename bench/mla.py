@@ -1,7 +1,7 @@
 """Section 8: chapter 21's latent attention, one decoding step in its absorbed form ÷ the same
 step unabsorbed, after a cache of ``S`` positions.
 
-Both forms read the same :class:`~transformer_tutorial.lm.latent_attention.LatentKVCache` (the
+Both forms read the same :class:`~transformer_tutorial.lm.cache.LatentKVCache` (the
 latents and the rotary key) and give the same output, compared before any timing. The
 unabsorbed step up-projects every cached latent to ``H`` keys and values; the absorbed one
 folds the key's up-projection into the query and attends over the latents themselves. One
@@ -17,7 +17,8 @@ import torch
 
 from bench.cli import Settings
 from bench.timing import interleaved
-from transformer_tutorial.lm.latent_attention import LatentKVCache, MultiHeadLatentAttention
+from transformer_tutorial.lm.cache import LatentKVCache
+from transformer_tutorial.lm.latent_attention import MultiHeadLatentAttention
 from transformer_tutorial.lm.rotary import RotaryPositions
 
 SIDES = {"absorbed": "absorbed", "unabsorbed": "unabsorbed"}

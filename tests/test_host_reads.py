@@ -1,6 +1,8 @@
 """The hot loops read back from the device only what they need, pinned by count: a training
 step reads nothing, greedy decoding reads the source's id range once and "has every sentence
-finished?" once a step, and translating reads each batch's tokens once.
+finished?" once a step, and translating reads each batch's tokens once; the language model's
+generation reads the prompt's id range once, then nothing a token without a stop id and one
+read a token with one.
 
 On a GPU each read back (``.item()``, ``.tolist()``, ``bool(tensor)``, ...) makes the host wait
 until the queue of work drains. PyTorch's own detector (``torch.cuda.set_sync_debug_mode``) works
@@ -22,6 +24,9 @@ from transformer_tutorial.checkpoint import load_model
 from transformer_tutorial.configs import CONFIGS, RunOptions
 from transformer_tutorial.data import BOS_ID, EOS_ID, PAD_ID
 from transformer_tutorial.decode import beam_search, greedy_decode, translate_sentences
+from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
+from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.sampling import generate
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.trainer import Trainer
 
@@ -129,3 +134,57 @@ def test_translating_reads_each_batchs_tokens_once(tiny_checkpoint):
         )
     assert len(out) == 3
     assert counts == Counter(tolist=2, __bool__=6)  # the ids' range and the tokens; 6 steps
+
+
+LM_KINDS = {
+    "gpt2": {},
+    "qwen3": dict(QWEN3, n_kv_heads=2),
+    "mla": dict(
+        LLAMA,
+        attention="mla",
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=4,
+    ),
+}
+
+
+def lm(kind: str, seed: int) -> LanguageModel:
+    """A 4-layer language model of the given kind."""
+    torch.manual_seed(seed)
+    config = LMConfig(
+        vocab_size=30,
+        d_model=16,
+        n_heads=4,
+        n_layers=4,
+        d_ff=32,
+        max_len=40,
+        dropout=0.0,
+        **LM_KINDS[kind],
+    )
+    return LanguageModel(config).eval()
+
+
+@pytest.mark.parametrize("cache_kind", ["growing", "preallocated"])
+@pytest.mark.parametrize("kind", LM_KINDS)
+def test_generating_reads_the_prompt_once_and_nothing_a_token_without_a_stop_id(kind, cache_kind):
+    """gpt-fast's decoding reads nothing back: neither do ours, on any attention or cache kind,
+    whatever the depth (the rotary tables are looked up without a range check a layer)."""
+    model, prompt = lm(kind, 0), torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with host_reads() as counts:
+        out = generate(model, prompt, 20, greedy=True, cache_kind=cache_kind)
+    assert out.shape == (2, 23)
+    assert counts == Counter(tolist=1)  # the prompt's id range
+
+
+@pytest.mark.parametrize("kind", LM_KINDS)
+def test_generating_with_a_stop_id_reads_once_a_token(kind):
+    model, prompt = lm(kind, 1), torch.tensor([[1, 2, 3], [4, 5, 6]])
+    free = generate(model, prompt, 20, greedy=True)
+    never = min(set(range(30)) - set(free[:, 3:].flatten().tolist()))  # a stop id never made
+    with host_reads() as counts:
+        out = generate(model, prompt, 20, greedy=True, eos_id=never)
+    assert torch.equal(out, free)
+    # the prompt's id range, then "has every row finished?" after each of the first 19 tokens
+    assert counts == Counter(tolist=1, __bool__=19)

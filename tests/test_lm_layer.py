@@ -1,6 +1,6 @@
-"""lm_layer: the decoder-only layer equals PyTorch's encoder layer under a causal mask (both
-``norm_first`` values), and with chapter 16's attention it continues from a cache without
-changing it. (The whole model: test_lm_model.py.)"""
+"""lm.layer: the decoder-only layer equals PyTorch's encoder layer under a causal mask (both
+``norm_first`` values), and with every attention it continues from the cache it was given,
+which it changes in place. (The whole model: test_lm_model.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 
 from helpers import to_device
 from transformer_tutorial.copy_weights import copy_encoder_layer
+from transformer_tutorial.lm.cache import GroupedKVCache
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.layer import DecoderOnlyLayer
 from transformer_tutorial.masks import causal_mask
@@ -42,25 +43,37 @@ def test_layer_equals_pytorch_encoder_layer_with_a_causal_mask(norm_first, activ
     try:
         with torch.no_grad():
             expected = ref(x, src_mask=causal_mask(T, device=device), is_causal=True)
-            got, kv = ours(x)
+            cache = GroupedKVCache()
+            got = ours(x, cache)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
-    assert kv.k.shape == kv.v.shape == (B, H, T, D // H)
+    assert cache.k.shape == cache.v.shape == (B, H, T, D // H) and cache.seen == T
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_grouped_layer_continues_from_a_cache_it_leaves_unchanged(seed):
-    """Chapter 16's attention in the layer: the last positions after a cache of the first ones
-    give the whole sequence's outputs, and the cache passed in still holds only the first."""
+MLA = dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+ATTENTIONS = {
+    "mha": {},
+    "gqa": dict(LLAMA, n_kv_heads=2),
+    "gqa-window": dict(LLAMA, n_kv_heads=1, window=4),
+    "mla": dict(LLAMA, **MLA),
+}
+
+
+@pytest.mark.parametrize("kind", ["growing", "preallocated"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_layer_continues_from_the_cache_it_changes_in_place(seed, attention, kind):
+    """Every attention answers the layer's one call: the last positions after a cache of the
+    first ones give the whole sequence's outputs, and the cache given now holds them all."""
     torch.manual_seed(seed)
-    layer = DecoderOnlyLayer(tiny(**LLAMA, n_kv_heads=2)).eval()
+    layer = DecoderOnlyLayer(tiny(**ATTENTIONS[attention])).eval()
     x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed + 10))
+    cache = layer.self_attn.empty_cache(B, None if kind == "growing" else T)
     with torch.no_grad():
-        whole, _ = layer(x)
-        first, past = layer(x[:, :5])
-        k_before = past.k.clone()
-        rest, after = layer(x[:, 5:], past)
+        whole = layer(x)
+        first = layer(x[:, :5], cache)
+        assert cache.seen == 5
+        rest = layer(x[:, 5:], cache)
     torch.testing.assert_close(torch.cat([first, rest], 1), whole, atol=ATOL, rtol=ATOL)
-    assert past.seen == 5 and torch.equal(past.k, k_before)
-    assert after.seen == T and after.k.shape == (B, 2, T, D // H)
+    assert cache.seen == T and cache.preallocated == (kind == "preallocated")

@@ -119,6 +119,50 @@ def test_cached_steps_equal_the_whole_sequence_with_every_choice(changes):
     assert cache.length == T and all(layer.k.size(2) == held for layer in cache.layers)
 
 
+MLA = dict(
+    MODERN, attention="mla", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4
+)
+KIND_CHOICES = {**CHOICES, "mla": MLA}
+
+
+@pytest.mark.parametrize("kind", ["growing", "preallocated"])
+@pytest.mark.parametrize("changes", KIND_CHOICES.values(), ids=KIND_CHOICES.keys())
+def test_every_cache_kind_steps_as_the_whole_sequence_and_rewinds(changes, kind):
+    """The caller picks the kind; the cache changes in place (step returns the same object),
+    and after rewinding the last positions, stepping them again gives the same logits."""
+    lm = model(**changes)
+    x = ids()
+    cache = lm.new_cache(B, kind)
+    with torch.no_grad():
+        whole = lm(x)
+        first, same = lm.step(x[:, :5], cache)
+        assert same is cache and cache.length == 5
+        rest = torch.cat([lm.step(x[:, t : t + 1], cache)[0] for t in range(5, T)], 1)
+        torch.testing.assert_close(torch.cat([first, rest], 1), whole, atol=ATOL, rtol=ATOL)
+        if changes.get("window") is not None and kind == "growing":
+            raises(lambda: cache.rewind(2), ValueError, "has dropped")
+            return
+        cache.rewind(3)
+        assert cache.length == T - 3
+        again = lm.step(x[:, T - 3 :], cache)[0]
+    torch.testing.assert_close(again, whole[:, T - 3 :], atol=ATOL, rtol=ATOL)
+    assert cache.length == T
+
+
+def test_a_preallocated_cache_is_allocated_once_in_the_models_dtype():
+    lm = model(**CHOICES["llama"]).double()
+    cache = lm.new_cache(B, "preallocated", max_len=T)
+    layer = cache.layers[0]
+    assert layer.k.shape == (B, 2, T, D // H) and layer.k.dtype == torch.float64
+    before = layer.k.data_ptr()
+    with torch.no_grad():
+        lm.step(ids(), cache)
+    assert layer.k.data_ptr() == before and cache.length == T
+    raises(lambda: lm.step(ids(shape=(B, 1)), cache), ValueError, "preallocate a larger max_len")
+    raises(lambda: lm.new_cache(B, "paged"), ValueError, "kind must be one of")
+    raises(lambda: lm.new_cache(0), ValueError, "batch_size must be at least 1")
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3-window-3"])
 def test_a_left_padded_row_gives_the_logits_of_the_row_alone(name):
     """With rotary positions and a padding mask, padding on the left changes no real position,
@@ -162,7 +206,12 @@ def test_llama_choices_build_todays_pieces():
     assert (attn.n_kv_heads, attn.k_proj.out_features, attn.q_norm) == (2, 2 * D // H, None)
     assert not [n for n, _ in lm.named_parameters() if n.endswith("bias")]
     assert lm.lm_head.weight is not lm.embed.weight
-    assert "layers.0.self_attn.positions.rotary.cos" in dict(lm.named_buffers())
+    # one rotary hook for the model, its tables built once and shared by every layer
+    assert [k for k in dict(lm.named_buffers()) if "rotary" in k] == [
+        "rotary.rotary.cos",
+        "rotary.rotary.sin",
+    ]
+    assert all(layer.self_attn.positions is lm.rotary for layer in lm.layers)
     assert not any("rotary" in k for k in lm.state_dict())  # formulas, not weights
     qwen3 = model(**CHOICES["qwen3-window-3"]).layers[0].self_attn
     assert isinstance(qwen3.q_norm, RMSNorm) and qwen3.window == 3
@@ -224,6 +273,39 @@ def test_initialisation_scales_the_residual_projections_down():
     assert math.isclose(q_std.item(), 0.02, rel_tol=0.05)
     assert math.isclose(out_std.item(), 0.02 / math.sqrt(16), rel_tol=0.05)
     assert all(layer.norm1.weight.eq(1).all() for layer in lm.layers)
+
+
+class Halves(torch.nn.Module):
+    """A feed-forward piece no earlier chapter knew, naming its own residual projection."""
+
+    residual_projections = ("back.weight",)
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.there, self.back = torch.nn.Linear(d_model, 512), torch.nn.Linear(512, d_model)
+
+    def forward(self, x):
+        return self.back(self.there(x))
+
+
+def test_a_new_piece_declares_its_residual_projection_and_gets_the_scaling():
+    """Initialisation reads each piece's residual_projections, not a list of names: a piece
+    added later (here a feed-forward of another name) gets GPT-2's scaling with no change to
+    the model; the MoE experts' stacked down_proj gets it too."""
+    lm = LanguageModel(tiny(d_model=64, n_layers=8, vocab_size=500))
+    for layer in lm.layers:
+        layer.ff = Halves(64)
+    lm.reset_parameters()
+    back = torch.cat([layer.ff.back.weight.flatten() for layer in lm.layers]).std()
+    there = torch.cat([layer.ff.there.weight.flatten() for layer in lm.layers]).std()
+    assert math.isclose(back.item(), 0.02 / math.sqrt(16), rel_tol=0.05)
+    assert math.isclose(there.item(), 0.02, rel_tol=0.05)
+    moe = dict(MODERN, n_experts=4, n_experts_per_token=2, moe_d_ff=64)
+    experts = LanguageModel(tiny(**moe, d_model=64, n_layers=8, vocab_size=500))
+    down = torch.cat([layer.ff.experts.down_proj.flatten() for layer in experts.layers]).std()
+    up = torch.cat([layer.ff.experts.up_proj.flatten() for layer in experts.layers]).std()
+    assert math.isclose(down.item(), 0.02 / math.sqrt(16), rel_tol=0.05)
+    assert math.isclose(up.item(), 0.02, rel_tol=0.05)
 
 
 def test_next_token_loss_is_shifted_cross_entropy_ignoring_padding():

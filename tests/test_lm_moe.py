@@ -162,14 +162,13 @@ def moe_config(**changes) -> LMConfig:
 
 
 def test_the_model_returns_each_sparse_layers_router_logits_and_steps_alike():
-    """Layers 0 and 2 sparse (step 1, layer 1 dense): two router logits (B·T, E); logits and
-    cache equal to step's; tokens per expert count k per real token."""
+    """Layers 0 and 2 sparse (step 1, layer 1 dense): two router logits (B·T, E); logits
+    equal to the forward pass's; tokens per expert count k per real token."""
     model = randomized(LanguageModel(moe_config(dense_layers=(1,))), 0)
     ids = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits, cache, routers = model.step_with_router_logits(ids)
-        plain, plain_cache = model.step(ids)
-    assert torch.equal(logits, plain) and cache.length == plain_cache.length == T
+        logits, routers = model.forward_with_router_logits(ids)
+    assert torch.equal(logits, model(ids))
     assert [tuple(r.shape) for r in routers] == [(B * T, 4)] * 2
     assert type(model.layers[1].ff).__name__ == "SwiGLU"
     padding = torch.zeros(B, T, dtype=torch.bool)

@@ -76,7 +76,7 @@ def test_copy_from_qwen3_moe_gives_their_logits_router_logits_and_losses(name, d
     ours, ref, ids, padding, labels = to_device((ours, ref, ids, padding, labels), device)
     with torch.no_grad():
         out = ref(ids, attention_mask=(~padding).long(), labels=labels, output_router_logits=True)
-        logits, _, routers = ours.step_with_router_logits(ids)
+        logits, routers = ours.forward_with_router_logits(ids)
     real = ~padding
     assert out.logits.abs().max() > 1.0
     torch.testing.assert_close(logits[real], out.logits[real], atol=LOGITS_ATOL, rtol=RTOL)

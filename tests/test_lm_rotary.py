@@ -336,6 +336,9 @@ def test_bad_input_raises_clear_errors():
     raises(lambda: RotaryEmbedding(DH, max_len=0), ValueError, "max_len must be at least 1")
     raises(lambda: rope(q, torch.arange(11)), ValueError, "position_ids must lie in [0, 10)")
     raises(lambda: rope(q, torch.tensor([-1, 0])), ValueError, "from -1 to 0")
+    unchecked = RotaryEmbedding(DH, max_len=10, checked=False)  # a model's: no read back
+    assert torch.equal(unchecked(q, torch.arange(3))[0], cos)
+    raises(lambda: unchecked(q, torch.arange(11)), IndexError, "out of bounds")
     raises(lambda: rope(q, torch.arange(3.0)), TypeError, "integer tensor")
     raises(lambda: rotate(q, cos, sin, layout="gptj"), ValueError, "layout must be one of")
     raises(lambda: rotate(q[..., :8], cos, sin), ValueError, "head width of x")

@@ -33,6 +33,9 @@ class SwiGLU(nn.Module):
         ``(B, L, D)`` → ``(B, L, D)``.
     """
 
+    # What writes into the residual stream: a language model initialises it smaller.
+    residual_projections = ("down_proj.weight",)
+
     def __init__(self, d_model: int, d_ff: int, *, dropout: float = 0.0, bias: bool = False):
         super().__init__()
         check_int("d_model", d_model, at_least=1)

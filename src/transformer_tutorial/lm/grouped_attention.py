@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_tutorial.checks import check_bool, check_int, check_number, check_optional_int
+from transformer_tutorial.lm.cache import GroupedKVCache
 from transformer_tutorial.masks import (
     causal_mask,
     check_padding_mask,
@@ -62,113 +63,6 @@ def kv_cache_bytes(
     return 2 * n_layers * batch_size * length * n_kv_heads * d_head * dtype.itemsize
 
 
-def _own(x: Tensor) -> Tensor:
-    """``x`` in a storage of its own: a slice of a larger tensor (the positions a window keeps)
-    would keep all of that tensor allocated."""
-    return x if x.untyped_storage().nbytes() == x.nbytes else x.clone()
-
-
-class GroupedKVCache:
-    """One layer's keys and values of the positions decoded so far, ``(B, Hkv, S, Dh)`` each.
-
-    ``GroupedKVCache()`` grows by concatenation at every step; :meth:`preallocate` allocates its
-    buffers once and writes each step into them. ``seen`` counts every position the cache has
-    been given (the next position id); with a sliding window a growing cache holds only those a
-    later query can still see (:meth:`update`'s ``keep``), a preallocated one at most its
-    capacity.
-    """
-
-    def __init__(self) -> None:
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-        self.seen = 0  # positions given so far
-        self.held = 0  # positions held now (the last ``held`` of them)
-        self.preallocated = False
-
-    @classmethod
-    def preallocate(
-        cls,
-        batch_size: int,
-        n_kv_heads: int,
-        max_len: int,
-        d_head: int,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> GroupedKVCache:
-        """A cache whose buffers hold ``max_len`` positions, allocated now."""
-        for name, value in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads)):
-            check_int(name, value, at_least=1)
-        check_int("max_len", max_len, at_least=1)
-        check_int("d_head", d_head, at_least=1)
-        cache = cls()
-        shape = (batch_size, n_kv_heads, max_len, d_head)
-        cache.k = torch.zeros(shape, dtype=dtype, device=device)
-        cache.v = torch.zeros(shape, dtype=dtype, device=device)
-        cache.preallocated = True
-        return cache
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the cache keeps allocated: the storage under its tensors, not their views' sizes
-        (a preallocated cache: all of its buffers)."""
-        if self.k is None:
-            return 0
-        return self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes()
-
-    def update(self, k: Tensor, v: Tensor, *, keep: int | None = None) -> tuple[Tensor, Tensor]:
-        """Add the new positions' keys and values ``(B, Hkv, L, Dh)``; return every held
-        position's, new ones last, ``(B, Hkv, S, Dh)``.
-
-        ``keep``: a later query needs only this many past positions (``window - 1``): the
-        growing cache then drops older ones (copying the kept ones into tensors of their own, so
-        that the dropped ones are freed), and a preallocated one, when full, moves the last
-        ``keep`` to the front of its buffers instead of failing.
-        """
-        check_optional_int("keep", keep, at_least=0)
-        n = k.size(2)
-        if not self.preallocated:
-            k_all = k if self.k is None else torch.cat([self.k, k], dim=2)
-            v_all = v if self.v is None else torch.cat([self.v, v], dim=2)
-            start = 0 if keep is None else max(0, k_all.size(2) - keep)
-            self.k, self.v = _own(k_all[:, :, start:]), _own(v_all[:, :, start:])
-            self.seen, self.held = self.seen + n, self.k.size(2)
-            return k_all, v_all
-        capacity = self.k.size(2)
-        if self.held + n > capacity:
-            if keep is None or keep + n > capacity:
-                raise ValueError(
-                    f"the preallocated cache holds {capacity} positions: it has {self.held} "
-                    f"and was given {n} more; preallocate a larger max_len"
-                )
-            old = slice(self.held - keep, self.held)
-            self.k[:, :, :keep], self.v[:, :, :keep] = (
-                self.k[:, :, old].clone(),
-                self.v[:, :, old].clone(),
-            )
-            self.held = keep
-        self.k[:, :, self.held : self.held + n], self.v[:, :, self.held : self.held + n] = k, v
-        self.seen, self.held = self.seen + n, self.held + n
-        return self.k[:, :, : self.held], self.v[:, :, : self.held]
-
-    def rewind(self, n: int) -> None:
-        """Forget the last ``n`` positions, as if they had never been given (speculative
-        decoding drops the draft's rejected tokens, chapter 23). A cache that has dropped older
-        positions (a sliding window) refuses: the positions a later query needs are gone."""
-        check_int("n", n, at_least=0)
-        if self.held < self.seen:
-            raise ValueError(
-                f"the cache has dropped {self.seen - self.held} older positions (a sliding "
-                f"window): rewinding would leave later queries without them; preallocate a "
-                f"max_len that holds the whole sequence"
-            )
-        if n > self.held:
-            raise ValueError(f"n={n} exceeds the {self.held} positions the cache holds")
-        self.seen, self.held = self.seen - n, self.held - n
-        if not self.preallocated:
-            self.k, self.v = _own(self.k[:, :, : self.held]), _own(self.v[:, :, : self.held])
-
-
 class GroupedQueryAttention(nn.Module):
     """Causal self-attention of a decoder-only model with ``n_kv_heads`` key/value heads shared
     by groups of ``n_heads // n_kv_heads`` query heads (Ainslie et al., 2023).
@@ -195,6 +89,9 @@ class GroupedQueryAttention(nn.Module):
     holds, whose queries are the *last* ``L`` of the keys: the causal mask is aligned
     bottom-right (:func:`~transformer_tutorial.masks.causal_mask` with ``k_len > q_len``).
     """
+
+    # What writes into the residual stream: a language model initialises it smaller.
+    residual_projections = ("out_proj.weight",)
 
     def __init__(
         self,
@@ -249,10 +146,10 @@ class GroupedQueryAttention(nn.Module):
     def forward(
         self,
         x: Tensor,
+        cache: GroupedKVCache | None = None,
         *,
         position_ids: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
-        cache: GroupedKVCache | None = None,
     ) -> Tensor:
         """``x`` ``(B, L, D)`` → ``(B, L, D)``; with ``cache``, after the positions it holds."""
         if x.dim() != 3 or x.size(-1) != self.d_model:
@@ -287,6 +184,22 @@ class GroupedQueryAttention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(B, L, self.n_heads * self.d_head)  # 6) concat heads
         return self.out_proj(out)
+
+    def empty_cache(
+        self,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> GroupedKVCache:
+        """An empty cache for this attention: growing (``max_len`` None) or preallocated for
+        ``max_len`` positions of ``batch_size`` rows."""
+        if max_len is None:
+            return GroupedKVCache()
+        return GroupedKVCache.preallocate(
+            batch_size, self.n_kv_heads, max_len, self.d_head, dtype=dtype, device=device
+        )
 
     def _allowed(
         self, B: int, L: int, S: int, seen: int, key_padding_mask: Tensor | None

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_tutorial.checks import check_int, check_number, check_optional_int
+from transformer_tutorial.lm.cache import LatentKVCache
 from transformer_tutorial.lm.grouped_attention import PositionHook
 from transformer_tutorial.lm.rope_scaling import RopeScaling
 from transformer_tutorial.masks import causal_mask, check_padding_mask, merge_masks
@@ -64,27 +65,6 @@ def mla_softmax_scale(qk_head_dim: int, scaling: RopeScaling | None = None) -> f
     return scale
 
 
-class LatentKVCache:
-    """One layer's cache of MLA: per position the normalised latent then the rotated shared key,
-    ``(B, S, Dc + Dr)`` in one tensor, growing by concatenation. ``seen`` counts every position
-    given so far (the next position id)."""
-
-    def __init__(self) -> None:
-        self.latent: Tensor | None = None  # (B, S, Dc + Dr)
-        self.seen = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the cache keeps allocated: the storage under its tensor."""
-        return 0 if self.latent is None else self.latent.untyped_storage().nbytes()
-
-    def update(self, latent: Tensor) -> Tensor:
-        """Add the new positions ``(B, L, Dc + Dr)``; return every position's, new ones last."""
-        self.latent = latent if self.latent is None else torch.cat([self.latent, latent], dim=1)
-        self.seen += latent.size(1)
-        return self.latent
-
-
 class MultiHeadLatentAttention(nn.Module):
     """Causal self-attention whose keys and values come from a compressed latent (DeepSeek-V2,
     2024), called as chapter 16's :class:`~transformer_tutorial.lm.grouped_attention.
@@ -110,6 +90,9 @@ class MultiHeadLatentAttention(nn.Module):
         x ``(B, L, D)`` → ``(B, L, D)``; ``position_ids`` ``(B, L)`` (default: those after the
         cache's); ``key_padding_mask`` ``(B, seen + L)``, True at padding.
     """
+
+    # What writes into the residual stream: a language model initialises it smaller.
+    residual_projections = ("out_proj.weight",)
 
     def __init__(
         self,
@@ -167,10 +150,10 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(
         self,
         x: Tensor,
+        cache: LatentKVCache | None = None,
         *,
         position_ids: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
-        cache: LatentKVCache | None = None,
         absorbed: bool = False,
     ) -> Tensor:
         """``x`` ``(B, L, D)`` → ``(B, L, D)``; with ``cache``, after the positions it holds.
@@ -202,6 +185,20 @@ class MultiHeadLatentAttention(nn.Module):
         out = attend(q_nope, q_rope, held, allowed, is_causal)  # (B, H, L, Dv)
         out = out.transpose(1, 2).reshape(B, L, H * self.d_v)  # 6) concat heads
         return self.out_proj(out)
+
+    def empty_cache(
+        self,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> LatentKVCache:
+        """An empty cache of latents: growing (``max_len`` None) or preallocated."""
+        if max_len is None:
+            return LatentKVCache()
+        width = self.kv_lora_rank + self.d_rope
+        return LatentKVCache.preallocate(batch_size, max_len, width, dtype=dtype, device=device)
 
     def _attend(
         self, q_nope: Tensor, q_rope: Tensor, held: Tensor, allowed: Tensor | None, causal: bool

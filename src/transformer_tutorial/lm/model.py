@@ -18,42 +18,25 @@ positions a row may also be padded on the left, given a ``padding_mask``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformer_tutorial.checks import check_int, check_optional_int
+from transformer_tutorial.lm.cache import LMCache, check_cache_kind
 from transformer_tutorial.lm.config import LMConfig
-from transformer_tutorial.lm.layer import Cache, DecoderOnlyLayer
-from transformer_tutorial.lm.pieces import make_norm, make_positions
+from transformer_tutorial.lm.layer import DecoderOnlyLayer
+from transformer_tutorial.lm.pieces import make_norm, make_positions, make_rotary
 from transformer_tutorial.masks import check_padding_mask
-
-# The projections that write into the residual stream, initialised smaller.
-RESIDUAL_PROJECTIONS = (
-    "self_attn.out_proj.weight",
-    "ff.linear2.weight",
-    "ff.down_proj.weight",
-    "ff.experts.down_proj",  # chapter 20's experts, stacked
-)
-
-
-@dataclass(frozen=True)
-class LMCache:
-    """What decoding carries from one step to the next: each layer's keys and values
-    ``(B, Hkv, S, Dh)`` (chapter 21's latent attention: its latents ``(B, S, Dc + Dr)``) and how
-    many positions have been decoded (with a sliding window a layer holds only the last
-    ``window - 1``)."""
-
-    layers: tuple[Cache, ...]
-    length: int
 
 
 class LanguageModel(nn.Module):
     """A decoder-only Transformer: token embeddings + positions → layers → norm → logits.
 
-    ``model(ids)`` gives the logits of every position at once (teacher forcing);
-    ``model.step(ids, cache)`` continues from a :class:`LMCache` and equals it.
+    ``model(ids)`` gives the logits of every position at once (teacher forcing, nothing kept);
+    ``model.step(ids, cache)`` continues from an :class:`LMCache`, changes it in place, and
+    equals it. The caller picks the cache's kind when decoding starts (:meth:`new_cache`).
 
     Shapes:
         ids ``(B, T)`` integer → logits ``(B, T, V)``; logit ``[b, t]`` scores token ``t + 1``.
@@ -67,7 +50,10 @@ class LanguageModel(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
         self.embed_scale = math.sqrt(c.d_model) if c.scale_embeddings else 1.0
         self.positions = make_positions(c)
-        self.layers = nn.ModuleList(DecoderOnlyLayer(c, i) for i in range(c.n_layers))
+        # One rotary hook for the whole model (its cos/sin tables built once), handed to every
+        # layer's attention; None when the positions are added to the embeddings.
+        self.rotary = make_rotary(c)
+        self.layers = nn.ModuleList(DecoderOnlyLayer(c, i, self.rotary) for i in range(c.n_layers))
         # In pre-norm the residual stream is never normalised inside the stack: one norm at the
         # end (GPT-2's ln_f). Post-norm layers already end with one.
         self.norm = make_norm(c) if c.norm_first else None
@@ -78,14 +64,20 @@ class LanguageModel(nn.Module):
 
     def reset_parameters(self) -> None:
         """GPT-2's initialisation: every matrix N(0, 0.02²), biases 0, norms' gains 1, and the
-        two projections that write into the residual stream (attention's ``out_proj``, the
-        feed-forward's ``linear2`` or ``down_proj``) N(0, (0.02 / √(2 · layers))²), so that
+        projections that write into the residual stream N(0, (0.02 / √(2 · layers))²), so that
         the variance all the residual branches add together does not grow with depth (the
-        stream still grows through the stack, as chapter 14 measures). With
-        ``scale_embeddings`` the table is N(0, 1/D), as in chapter 9."""
+        stream still grows through the stack, as chapter 14 measures). Each piece names its own
+        (``residual_projections``: attention's ``out_proj``, the feed-forward's ``linear2`` or
+        ``down_proj``, the experts' stacked ``down_proj``), so a new piece declares its own.
+        With ``scale_embeddings`` the table is N(0, 1/D), as in chapter 9."""
+        residual = {
+            id(module.get_parameter(name))
+            for module in self.modules()
+            for name in getattr(module, "residual_projections", ())
+        }
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
-            if name.endswith(RESIDUAL_PROJECTIONS):
+            if id(p) in residual:
                 nn.init.normal_(p, std=residual_std)
             elif p.dim() > 1:
                 nn.init.normal_(p, std=0.02)
@@ -94,55 +86,90 @@ class LanguageModel(nn.Module):
         if self.config.scale_embeddings:
             nn.init.normal_(self.embed.weight, std=self.config.d_model**-0.5)
 
+    def new_cache(
+        self, batch_size: int, kind: str = "growing", *, max_len: int | None = None
+    ) -> LMCache:
+        """An empty cache for ``batch_size`` rows, one per layer, of the caller's ``kind``:
+        ``"growing"`` (concatenates a step's keys; nothing allocated ahead) or
+        ``"preallocated"`` (each layer's buffers for ``max_len`` positions, default the
+        model's, allocated now in the model's dtype and device). Chapter 23's paged cache:
+        :func:`~transformer_tutorial.lm.paged_cache.paged_cache`."""
+        check_cache_kind(kind)
+        check_int("batch_size", batch_size, at_least=1)
+        check_optional_int("max_len", max_len, at_least=1)
+        if kind == "growing":
+            return LMCache([layer.self_attn.empty_cache(batch_size) for layer in self.layers])
+        weight = self.lm_head.weight
+        max_len = self.config.max_len if max_len is None else max_len
+        return LMCache(
+            [
+                layer.self_attn.empty_cache(
+                    batch_size, max_len, dtype=weight.dtype, device=weight.device
+                )
+                for layer in self.layers
+            ]
+        )
+
     def forward(self, ids: Tensor, *, padding_mask: Tensor | None = None) -> Tensor:
-        """Token ids ``(B, T)`` → logits ``(B, T, V)``."""
-        return self.step(ids, padding_mask=padding_mask)[0]
+        """Token ids ``(B, T)`` → logits ``(B, T, V)``; no cache is kept."""
+        return self._run(ids, None, padding_mask, check_ids=True)[0]
 
     def step(
-        self, ids: Tensor, cache: LMCache | None = None, *, padding_mask: Tensor | None = None
+        self,
+        ids: Tensor,
+        cache: LMCache | None = None,
+        *,
+        padding_mask: Tensor | None = None,
+        check_ids: bool = True,
     ) -> tuple[Tensor, LMCache]:
-        """New ids ``(B, T_new)`` after the ``cache.length`` positions in ``cache`` (none when
-        None) → their logits ``(B, T_new, V)`` and a cache that also holds them. Equal to
-        :meth:`forward` on the whole sequence. ``padding_mask``: see the class."""
-        start = 0 if cache is None else cache.length
-        self._check_ids(ids, start)
-        pads = self._left_padding(padding_mask, ids, start)
-        past = (None,) * len(self.layers) if cache is None else cache.layers
-        x = self.positions(self.embed(ids) * self.embed_scale, start)  # (B, T_new, D)
-        kvs = []
-        for layer, layer_past in zip(self.layers, past, strict=True):
-            x, kv = layer(x, layer_past, **pads)
-            kvs.append(kv)
-        if self.norm is not None:
-            x = self.norm(x)
-        return self.lm_head(x), LMCache(tuple(kvs), start + ids.size(1))
+        """New ids ``(B, T_new)`` after the ``cache.length`` positions in ``cache`` (a new
+        growing cache when None) → their logits ``(B, T_new, V)`` and the cache, which now also
+        holds them (changed in place). Equal to :meth:`forward` on the whole sequence.
+        ``padding_mask``: see the class. ``check_ids=False`` skips the ids' range check, one
+        read back from the device: for ids the model itself chose (:func:`generate` does)."""
+        if cache is None:
+            cache = self.new_cache(ids.size(0) if ids.dim() == 2 else 1)
+        return self._run(ids, cache, padding_mask, check_ids=check_ids)[0], cache
 
-    def step_with_router_logits(
-        self, ids: Tensor, cache: LMCache | None = None, *, padding_mask: Tensor | None = None
-    ) -> tuple[Tensor, LMCache, tuple[Tensor, ...]]:
-        """:meth:`step`, and the router's logits ``(B · T_new, E)`` of each mixture-of-experts
+    def forward_with_router_logits(
+        self, ids: Tensor, *, padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """:meth:`forward`, and the router's logits ``(B · T, E)`` of each mixture-of-experts
         layer in order (chapter 20), which
-        :func:`~transformer_tutorial.lm.moe.load_balancing_loss` reads. Dense layers give none."""
+        :func:`~transformer_tutorial.lm.moe.load_balancing_loss` reads. Dense layers give
+        none."""
+        return self._run(ids, None, padding_mask, check_ids=True)
+
+    def _run(
+        self,
+        ids: Tensor,
+        cache: LMCache | None,
+        padding_mask: Tensor | None,
+        *,
+        check_ids: bool,
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The one path: logits ``(B, T_new, V)`` and the routers' logits of MoE layers."""
         start = 0 if cache is None else cache.length
-        self._check_ids(ids, start)
-        pads = self._left_padding(padding_mask, ids, start)
-        past = (None,) * len(self.layers) if cache is None else cache.layers
+        self._check_ids(ids, start, read_range=check_ids)
+        position_ids = self._left_padding(padding_mask, ids, start)
+        caches = (None,) * len(self.layers) if cache is None else cache.layers
         x = self.positions(self.embed(ids) * self.embed_scale, start)  # (B, T_new, D)
-        kvs, routers = [], []
-        for layer, layer_past in zip(self.layers, past, strict=True):
-            x, kv, router_logits = layer.forward_with_router_logits(x, layer_past, **pads)
-            kvs.append(kv)
+        routers = []
+        for layer, layer_cache in zip(self.layers, caches, strict=True):
+            x, router_logits = layer.forward_with_router_logits(
+                x, layer_cache, position_ids=position_ids, padding_mask=padding_mask
+            )
             if router_logits is not None:
                 routers.append(router_logits)
         if self.norm is not None:
             x = self.norm(x)
-        return self.lm_head(x), LMCache(tuple(kvs), start + ids.size(1)), tuple(routers)
+        return self.lm_head(x), tuple(routers)
 
-    def _left_padding(self, padding_mask: Tensor | None, ids: Tensor, start: int) -> dict:
-        """The padding mask and the position ids that skip the padding, ``(B, T_new)``: a row's
-        first real token is position 0, as in ``transformers``' ``generate``."""
+    def _left_padding(self, padding_mask: Tensor | None, ids: Tensor, start: int) -> Tensor | None:
+        """The position ids that skip the padding, ``(B, T_new)``: a row's first real token is
+        position 0, as in ``transformers``' ``generate`` (None without a padding mask)."""
         if padding_mask is None:
-            return {}
+            return None
         if self.config.positions != "rope":
             raise ValueError(
                 "padding_mask needs positions='rope': a position table added to the embeddings "
@@ -150,21 +177,21 @@ class LanguageModel(nn.Module):
             )
         B, T_new = ids.shape
         check_padding_mask("padding_mask", padding_mask, "(B, cached + new)", (B, start + T_new))
-        position_ids = ((~padding_mask).cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T_new)
-        return dict(position_ids=position_ids, padding_mask=padding_mask)
+        return ((~padding_mask).cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T_new)
 
-    def _check_ids(self, ids: Tensor, start: int) -> None:
+    def _check_ids(self, ids: Tensor, start: int, *, read_range: bool = True) -> None:
         if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise ValueError(
                 f"ids must be integer token ids of shape (B, T), got {ids.dtype} "
                 f"{tuple(ids.shape)}"
             )
+        # Positions: counted on the host, so the rotary tables need no check of their own.
         if start + ids.size(1) > self.config.max_len:
             raise ValueError(
                 f"{start} cached + {ids.size(1)} new positions exceed max_len="
                 f"{self.config.max_len}"
             )
-        if torch.compiler.is_compiling() or not ids.numel():
+        if not read_range or torch.compiler.is_compiling() or not ids.numel():
             return
         low, high = torch.stack(torch.aminmax(ids)).tolist()  # one read back from the device
         if not 0 <= low <= high < self.config.vocab_size:

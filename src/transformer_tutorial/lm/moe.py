@@ -66,6 +66,9 @@ class Experts(nn.Module):
         x ``(N, D)``, experts and weights ``(N, k)`` → ``(N, D)``.
     """
 
+    # What writes into the residual stream: a language model initialises it smaller.
+    residual_projections = ("down_proj",)
+
     def __init__(self, n_experts: int, d_model: int, d_ff: int, *, dropout: float = 0.0):
         super().__init__()
         check_int("n_experts", n_experts, at_least=1)

@@ -72,7 +72,7 @@ def expert_load(model: LanguageModel, batch: torch.Tensor) -> list[list[int]]:
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        _, _, routers = model.step_with_router_logits(batch)
+        _, routers = model.forward_with_router_logits(batch)
     model.train(was_training)
     pad = batch == data.PAD_ID
     return tokens_per_expert(routers, model.config.n_experts_per_token, padding_mask=pad).tolist()
@@ -117,7 +117,7 @@ def train_for_cpu(
         for group in optimizer.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / warmup) * max(0.1, 1 - used / cpu_seconds)
         batch = data.pad_batch([train_ids[i] for i in batches.pop()])
-        logits, _, routers = model.step_with_router_logits(batch)
+        logits, routers = model.forward_with_router_logits(batch)
         loss = next_token_loss(logits, batch, ignore_index=data.PAD_ID)
         total = loss
         if routers:

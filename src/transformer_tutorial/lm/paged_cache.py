@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from transformer_tutorial.checks import check_int
-from transformer_tutorial.lm.grouped_attention import GroupedKVCache
-from transformer_tutorial.lm.model import LanguageModel, LMCache
+from transformer_tutorial.lm.cache import LMCache
+from transformer_tutorial.lm.model import LanguageModel
 
 
 def _check_grouped(model: LanguageModel) -> None:
@@ -35,22 +35,10 @@ def preallocated_cache(
     model: LanguageModel, batch_size: int, max_len: int | None = None
 ) -> LMCache:
     """An empty :class:`LMCache` whose layers' buffers hold ``max_len`` positions (default the
-    model's), allocated now in the model's dtype and device."""
+    model's), allocated now in the model's dtype and device: ``model.new_cache(batch_size,
+    "preallocated", max_len=max_len)``, for chapter 23's grouped attention."""
     _check_grouped(model)
-    max_len = model.config.max_len if max_len is None else max_len
-    weight = model.lm_head.weight
-    layers = tuple(
-        GroupedKVCache.preallocate(
-            batch_size,
-            layer.self_attn.n_kv_heads,
-            max_len,
-            layer.self_attn.d_head,
-            dtype=weight.dtype,
-            device=weight.device,
-        )
-        for layer in model.layers
-    )
-    return LMCache(layers, 0)
+    return model.new_cache(batch_size, "preallocated", max_len=max_len)
 
 
 class BlockAllocator:
@@ -85,10 +73,11 @@ class PagedKVCache:
     """One layer's keys and values in blocks of a shared pool, for the sequences ``seqs`` (the
     rows of the batch, in order), each ``lengths[i]`` positions long.
 
-    Called like :class:`GroupedKVCache`: :meth:`update` writes the new positions into each
-    row's blocks and returns every held position's keys and values, gathered through the block
-    tables into ``(B, Hkv, S, Dh)`` with ``S`` the longest row; a shorter row's positions past
-    its length are filler, which the caller masks as padding (:func:`continuous_greedy`).
+    Called like :class:`~transformer_tutorial.lm.cache.GroupedKVCache`: :meth:`update` writes
+    the new positions into each row's blocks and returns every held position's keys and
+    values, gathered through the block tables into ``(B, Hkv, S, Dh)`` with ``S`` the longest
+    row; a shorter row's positions past its length are filler, which the caller masks as
+    padding (:func:`continuous_greedy`).
     """
 
     def __init__(
@@ -108,6 +97,18 @@ class PagedKVCache:
     def seen(self) -> int:
         """The longest row's length: the next position of a row that has no padding."""
         return max(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's pool (shared by every sequence)."""
+        return self.pool_k.untyped_storage().nbytes() + self.pool_v.untyped_storage().nbytes()
+
+    def rewind(self, n: int) -> None:
+        """Forget the last ``n`` positions of every row (their blocks stay reserved)."""
+        check_int("n", n, at_least=0)
+        if n > min(self.lengths):
+            raise ValueError(f"n={n} exceeds the {min(self.lengths)} positions a row holds")
+        self.lengths = tuple(length - n for length in self.lengths)
 
     def update(self, k: Tensor, v: Tensor, *, keep: int | None = None) -> tuple[Tensor, Tensor]:
         """Write the new positions ``(B, Hkv, L, Dh)`` after each row's; return the rows' keys
@@ -174,7 +175,7 @@ def paged_cache(
         pool_k = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
         pool_v = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
         layers.append(PagedKVCache(pool_k, pool_v, allocator, range(batch_size), [0] * batch_size))
-    return LMCache(tuple(layers), 0)
+    return LMCache(layers)
 
 
 @torch.no_grad()
@@ -197,7 +198,7 @@ def _rows(cache: LMCache, seqs: Sequence[int], lengths: Sequence[int]) -> LMCach
     layers = tuple(
         PagedKVCache(c.pool_k, c.pool_v, c.allocator, seqs, lengths) for c in cache.layers
     )
-    return LMCache(layers, max(lengths))
+    return LMCache(layers)
 
 
 @torch.no_grad()

@@ -15,15 +15,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from transformer_tutorial.attention import MultiHeadAttention
+from transformer_tutorial.attention import KVCache, MultiHeadAttention
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
 from transformer_tutorial.feed_forward import SwiGLU, build_feed_forward
 from transformer_tutorial.layers import FeedForward
+from transformer_tutorial.lm.cache import GroupedKVCache
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.grouped_attention import GroupedQueryAttention
 from transformer_tutorial.lm.latent_attention import MultiHeadLatentAttention, mla_softmax_scale
 from transformer_tutorial.lm.moe import MixtureOfExperts
 from transformer_tutorial.lm.rope_scaling import scaled_rotary
+from transformer_tutorial.lm.rotary import RotaryPositions
+from transformer_tutorial.masks import causal_mask
 from transformer_tutorial.norms import build_norm
 
 
@@ -53,22 +56,54 @@ def make_feed_forward(config: LMConfig, layer: int = 0) -> FeedForward | SwiGLU 
     )
 
 
-def make_attention(
-    config: LMConfig,
-) -> MultiHeadAttention | GroupedQueryAttention | MultiHeadLatentAttention:
-    """The self-attention's head layout.
+def make_rotary(config: LMConfig, *, checked: bool = False) -> RotaryPositions | None:
+    """The model's one rotary position hook, handed to every layer's attention (chapter 15; its
+    tables are built once, whatever the depth): with ``positions="rope"`` chapter 18's
+    ``rope_scaling`` and ``partial_rotary_factor`` of the head width; with ``"mla"`` chapter
+    21's ``qk_rope_head_dim`` part (interleaved pairs with ``rope_interleave``). None otherwise:
+    the positions were added to the embeddings. ``checked=False`` (the model's): no read back
+    from the device a layer, since the model counts positions on the host and refuses any past
+    ``max_len``."""
+    if config.attention == "mla":
+        return scaled_rotary(
+            config.qk_rope_head_dim,
+            max_len=config.max_len,
+            base=config.rope_base,
+            scaling=config.rope_scaling,
+            layout="interleaved" if config.rope_interleave else "half_split",
+            checked=checked,
+        )
+    if config.positions != "rope":
+        return None
+    return scaled_rotary(
+        config.head_dim,
+        max_len=config.max_len,
+        base=config.rope_base,
+        scaling=config.rope_scaling,
+        partial_rotary_factor=config.partial_rotary_factor,
+        checked=checked,
+    )
 
-    ``"mha"``: chapter 4's H query heads with H key/value heads; the block calls its
-    ``project_qkv(x)`` and ``attend_heads(q, kv, attn_mask=...)``. ``"gqa"``: chapter 16's
-    :class:`GroupedQueryAttention` with ``n_kv_heads`` key/value heads, QK-norm, a sliding
-    ``window`` and, with ``positions="rope"``, chapter 15's rotation of queries and keys as its
-    position hook (with chapter 18's ``lm.rope_scaling`` and ``partial_rotary_factor``); it builds
-    its own mask and keeps its own cache. ``"mla"``: chapter 21's
-    :class:`MultiHeadLatentAttention`, called as ``"gqa"``, rotating its ``qk_rope_head_dim``
-    part (interleaved pairs with ``rope_interleave``), its scores scaled as DeepSeek's.
+
+def make_attention(
+    config: LMConfig, rotary: RotaryPositions | None = None
+) -> CausalMultiHeadAttention | GroupedQueryAttention | MultiHeadLatentAttention:
+    """The self-attention, one branch per kind; each answers the layer's one call,
+    ``attention(x, cache, position_ids=..., key_padding_mask=...)`` → ``(B, T_new, D)``, and
+    builds its own empty cache (``empty_cache``).
+
+    ``"mha"``: chapter 4's multi-head attention under a causal mask
+    (:class:`CausalMultiHeadAttention`). ``"gqa"``: chapter 16's
+    :class:`GroupedQueryAttention` with ``n_kv_heads`` key/value heads, QK-norm and a sliding
+    ``window``. ``"mla"``: chapter 21's :class:`MultiHeadLatentAttention`, its scores scaled as
+    DeepSeek's. ``rotary``: the model's position hook (:func:`make_rotary`), shared by every
+    layer; None builds one for this attention alone (checking the position ids it is given).
     """
+    rotary = make_rotary(config, checked=True) if rotary is None else rotary
     if config.attention == "mha":
-        return MultiHeadAttention(config.d_model, config.n_heads, config.dropout, bias=config.bias)
+        return CausalMultiHeadAttention(
+            config.d_model, config.n_heads, config.dropout, bias=config.bias
+        )
     if config.attention == "mla":
         return MultiHeadLatentAttention(
             config.d_model,
@@ -78,26 +113,11 @@ def make_attention(
             qk_rope_head_dim=config.qk_rope_head_dim,
             v_head_dim=config.v_head_dim,
             q_lora_rank=config.q_lora_rank,
-            positions=scaled_rotary(
-                config.qk_rope_head_dim,
-                max_len=config.max_len,
-                base=config.rope_base,
-                scaling=config.rope_scaling,
-                layout="interleaved" if config.rope_interleave else "half_split",
-            ),
+            positions=rotary,
             softmax_scale=mla_softmax_scale(
                 config.qk_nope_head_dim + config.qk_rope_head_dim, config.rope_scaling
             ),
             dropout=config.dropout,
-        )
-    rotary = None
-    if config.positions == "rope":
-        rotary = scaled_rotary(
-            config.head_dim,
-            max_len=config.max_len,
-            base=config.rope_base,
-            scaling=config.rope_scaling,
-            partial_rotary_factor=config.partial_rotary_factor,
         )
     return GroupedQueryAttention(
         config.d_model,
@@ -111,6 +131,56 @@ def make_attention(
         positions=rotary,
         dropout=config.dropout,
     )
+
+
+class CausalMultiHeadAttention(MultiHeadAttention):
+    """Chapter 4's multi-head attention as a language model's self-attention (GPT-2's ``attn``):
+    the causal mask built here, aligned bottom-right after the cached positions, and the layer's
+    attention call.
+
+    Shapes:
+        x ``(B, T_new, D)`` after the positions ``cache`` holds → ``(B, T_new, D)``;
+        ``key_padding_mask`` ``(B, cached + T_new)``, True at padding.
+    """
+
+    def forward(  # type: ignore[override]  (the language model's call, not chapter 4's)
+        self,
+        x: Tensor,
+        cache: GroupedKVCache | None = None,
+        *,
+        position_ids: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        if position_ids is not None:
+            raise ValueError(
+                "position_ids: chapter 4's attention has no position hook (the positions were "
+                "added to the embeddings); rotary positions need attention='gqa'"
+            )
+        q, kv = self.project_qkv(x)  # (B, H, T_new, Dh) each
+        if cache is not None:
+            kv = KVCache(*cache.update(kv.k, kv.v))  # (B, H, S_past + T_new, Dh)
+        t_new, t_all = x.size(1), kv.k.size(2)
+        # Chapter 6's mask, aligned bottom-right: new position i sits at t_all - t_new + i.
+        future = None if t_new == 1 else causal_mask(t_new, t_all, device=x.device)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask[:, -t_all:]  # the positions held
+        out, _ = self.attend_heads(q, kv, key_padding_mask=key_padding_mask, attn_mask=future)
+        return out
+
+    def empty_cache(
+        self,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> GroupedKVCache:
+        """An empty cache, growing (``max_len`` None) or preallocated: H key/value heads."""
+        if max_len is None:
+            return GroupedKVCache()
+        return GroupedKVCache.preallocate(
+            batch_size, self.n_heads, max_len, self.d_head, dtype=dtype, device=device
+        )
 
 
 def make_positions(config: LMConfig) -> nn.Module:

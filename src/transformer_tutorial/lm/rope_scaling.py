@@ -254,10 +254,12 @@ def scaled_rotary(
     scaling: RopeScaling | None = None,
     partial_rotary_factor: float = 1.0,
     layout: str = "half_split",
+    checked: bool = True,
 ) -> RotaryPositions:
     """The position hook of an attention layer with ``scaling``'s frequencies, its attention
     factor applied once (to the cos and sin tables), rotating the first
-    ``int(Dh · partial_rotary_factor)`` coordinates of each head. Refuses :data:`REFUSED`."""
+    ``int(Dh · partial_rotary_factor)`` coordinates of each head. Refuses :data:`REFUSED`.
+    ``checked``: as :class:`~transformer_tutorial.lm.rotary.RotaryEmbedding`."""
     if scaling is not None and scaling.rope_type in REFUSED:
         raise ValueError(REFUSED[scaling.rope_type])
     width = rotary_width(head_dim, partial_rotary_factor)
@@ -269,4 +271,5 @@ def scaled_rotary(
         layout=layout,
         frequencies=theta,
         attention_scaling=attention_scaling,
+        checked=checked,
     )

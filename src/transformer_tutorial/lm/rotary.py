@@ -63,6 +63,10 @@ class RotaryEmbedding(nn.Module):
         frequencies: θ_i to use instead, ``(Dr/2,)`` (rope scaling, chapter 18); fewer than
             ``Dh/2`` rotate only the first ``Dr`` coordinates (partial rotary).
         attention_scaling: multiplies the cos and sin tables once (YaRN's attention factor).
+        checked: refuse position ids outside ``[0, max_len)``, which reads their range back
+            from the device (two reads a call). A language model's hook is built unchecked:
+            :meth:`~transformer_tutorial.lm.model.LanguageModel.step` counts the positions on
+            the host and refuses any past ``max_len``, so decoding reads nothing here.
 
     Shapes:
         ``forward(x, position_ids)``: ``position_ids`` integer ``(B, L)`` or ``(L,)`` →
@@ -78,6 +82,7 @@ class RotaryEmbedding(nn.Module):
         base: float = 10000.0,
         frequencies: Tensor | None = None,
         attention_scaling: float = 1.0,
+        checked: bool = True,
     ) -> None:
         super().__init__()
         check_int("max_len", max_len, at_least=1)
@@ -93,7 +98,7 @@ class RotaryEmbedding(nn.Module):
                 )
             theta = frequencies.double()  # (Dr/2,)
         self.head_dim, self.max_len, self.base = head_dim, max_len, base
-        self.attention_scaling = attention_scaling
+        self.attention_scaling, self.checked = attention_scaling, checked
         position = torch.arange(max_len, dtype=torch.float64)
         angles = torch.outer(position, theta)  # (max_len, Dr/2): m · θ_i
         angles = torch.cat([angles, angles], dim=-1)  # (max_len, Dr)
@@ -104,12 +109,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         if position_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
-        if position_ids.numel() and (position_ids.min() < 0 or position_ids.max() >= self.max_len):
-            raise ValueError(
-                f"position_ids must lie in [0, {self.max_len}), got values from "
-                f"{position_ids.min().item()} to {position_ids.max().item()}; build "
-                "RotaryEmbedding with a larger max_len"
-            )
+        if self.checked and position_ids.numel():
+            low, high = position_ids.min(), position_ids.max()
+            if low < 0 or high >= self.max_len:
+                raise ValueError(
+                    f"position_ids must lie in [0, {self.max_len}), got values from "
+                    f"{low.item()} to {high.item()}; build RotaryEmbedding with a larger max_len"
+                )
         position_ids = position_ids.to(self.cos.device)
         cos, sin = self.cos[position_ids], self.sin[position_ids]  # (..., L, Dh)
         return cos.to(x.device, x.dtype), sin.to(x.device, x.dtype)
@@ -128,7 +134,8 @@ class RotaryPositions(nn.Module):
     the model's ``.to(device)``.
 
     Args:
-        head_dim, max_len, base, frequencies, attention_scaling: as :class:`RotaryEmbedding`.
+        head_dim, max_len, base, frequencies, attention_scaling, checked: as
+            :class:`RotaryEmbedding`.
         layout: which coordinates pair up, one of ``LAYOUTS``: within the first ``Dr``
             coordinates when only those rotate (partial rotary, GPT-NeoX); the rest pass.
 
@@ -145,6 +152,7 @@ class RotaryPositions(nn.Module):
         layout: str = "half_split",
         frequencies: Tensor | None = None,
         attention_scaling: float = 1.0,
+        checked: bool = True,
     ) -> None:
         super().__init__()
         check_choice("layout", layout, LAYOUTS)
@@ -154,6 +162,7 @@ class RotaryPositions(nn.Module):
             base=base,
             frequencies=frequencies,
             attention_scaling=attention_scaling,
+            checked=checked,
         )
         self.layout = layout
 

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from transformer_tutorial.checks import check_bool, check_int, check_number, check_optional_int
+from transformer_tutorial.lm.cache import check_cache_kind
 from transformer_tutorial.lm.model import LanguageModel
 
 
@@ -141,6 +142,7 @@ def generate(
     pad_id: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    cache_kind: str = "growing",
 ) -> Tensor:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -148,6 +150,11 @@ def generate(
     None), and the loop stops once every row is finished. With ``use_cache`` each step feeds
     only the new token and the layers' keys and values are kept (:meth:`LanguageModel.step`);
     without, each step recomputes the whole sequence. The two give the same tokens.
+    ``cache_kind``: the cache's kind (:meth:`LanguageModel.new_cache`), ``"growing"`` or
+    ``"preallocated"`` (for the prompt and every new token).
+
+    Reads back from the device: the prompt's id range once, then one read a token with
+    ``eos_id`` ("has every row finished?") and none without.
 
     Args:
         model: a :class:`LanguageModel`, put in ``eval()`` by the caller.
@@ -165,7 +172,12 @@ def generate(
     fill = eos_id if pad_id is None else pad_id
     ids = prompt
     finished = torch.zeros(prompt.size(0), dtype=torch.bool, device=prompt.device)
-    logits, cache = model.step(prompt)
+    check_cache_kind(cache_kind)
+    if use_cache:
+        cache = model.new_cache(prompt.size(0), cache_kind, max_len=total)
+        logits, cache = model.step(prompt, cache)
+    else:
+        logits = model(prompt)
     for _ in range(max_new_tokens):
         token = next_token(
             logits[:, -1],
@@ -179,10 +191,10 @@ def generate(
             token = token.masked_fill(finished, fill)
             finished = finished | (token == eos_id)
         ids = torch.cat([ids, token[:, None]], dim=1)
-        if finished.all() or ids.size(1) == total:
+        if ids.size(1) == total or (eos_id is not None and finished.all()):  # a read
             break
-        if use_cache:
-            logits, cache = model.step(token[:, None], cache)
+        if use_cache:  # the model's own tokens: no range check (no read)
+            logits, cache = model.step(token[:, None], cache, check_ids=False)
         else:
             logits = model(ids)
     return ids

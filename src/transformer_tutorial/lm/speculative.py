@@ -21,8 +21,7 @@ import torch
 from torch import Tensor
 
 from transformer_tutorial.checks import check_bool, check_int, check_optional_int
-from transformer_tutorial.lm.model import LanguageModel, LMCache
-from transformer_tutorial.lm.paged_cache import preallocated_cache
+from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.sampling import check_prompt, check_sampling, filter_logits
 
 
@@ -52,12 +51,6 @@ class SpeculativeOutput:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / max(self.proposed, 1)
-
-
-def _rewind(cache: LMCache, n: int) -> LMCache:
-    for layer in cache.layers:
-        layer.rewind(n)
-    return LMCache(cache.layers, cache.length - n)
 
 
 def _sample(probs: Tensor, generator: torch.Generator | None) -> int:
@@ -110,7 +103,8 @@ def speculative_generate(
         return (int(logits.argmax()) if greedy else _sample(probs, generator)), probs
 
     ids = prompt[0].tolist()
-    t_cache, d_cache = preallocated_cache(target, 1, total), preallocated_cache(draft, 1, total)
+    t_cache = target.new_cache(1, "preallocated", max_len=total)
+    d_cache = draft.new_cache(1, "preallocated", max_len=total)
     t_pending, d_pending = ids, ids  # the tokens each cache has not read yet
     proposed = accepted = calls = 0
     device = prompt.device
@@ -154,9 +148,11 @@ def speculative_generate(
         if eos_id is not None and ids[-1] == eos_id:
             break
         # 4) the caches forget the rejected proposals
-        t_cache, t_pending = _rewind(t_cache, n_draft - n), [nxt]
+        t_cache.rewind(n_draft - n)
+        t_pending = [nxt]
         if n < n_draft:
-            d_cache, d_pending = _rewind(d_cache, n_draft - 1 - n), [nxt]
+            d_cache.rewind(n_draft - 1 - n)
+            d_pending = [nxt]
         else:  # the draft never read its last proposal
             d_pending = [proposals[-1], nxt]
     return SpeculativeOutput(torch.tensor([ids], device=device), proposed, accepted, calls)
