@@ -406,3 +406,28 @@ def test_bad_padding_masks_are_refused():
     wrong_shape = "padding_mask has shape"
     raises(lambda: llama(x, padding_mask=x[:, 1:] == 0), ValueError, wrong_shape)
     raises(lambda: llama(x, padding_mask=(x == 0).long()), TypeError, "must be a bool tensor")
+
+
+@pytest.mark.parametrize("changes", [CHOICES["llama"], dict(QWEN3, n_kv_heads=1, d_head=6)])
+def test_the_tiled_backend_gives_the_models_numbers_and_gradients(changes):
+    """Chapter 22's attention as the model's backend: in float64 the logits (whole, stepped
+    with a cache, left-padded) and every gradient equal the fused kernel's."""
+    fused = model(**changes).double()
+    tiled = LanguageModel(tiny(**changes, attention_backend="tiled")).double()
+    tiled.load_state_dict(fused.state_dict())
+    x = ids()
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[0, :3] = True  # row 0 padded on the left
+    for lm in (fused, tiled):
+        next_token_loss(lm(x, padding_mask=pad), x).backward()
+    torch.testing.assert_close(tiled(x), fused(x), rtol=1e-10, atol=1e-10)
+    with torch.no_grad():
+        torch.testing.assert_close(_stepped(tiled, x), _stepped(fused, x), rtol=1e-10, atol=1e-10)
+    for (name, a), b in zip(tiled.named_parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-12, msg=name)
+    raises(
+        lambda: tiny(**(changes | dict(attention_backend="tiled", dropout=0.1))),
+        ValueError,
+        "dropout=0",
+    )
+    raises(lambda: tiny(attention_backend="flash"), ValueError, "attention_backend must be one of")

@@ -28,6 +28,9 @@ from transformer_tutorial.norms import NORMS
 # The choices of lm_pieces' two factories of their own.
 POSITIONS = ("learned", "sinusoidal", "rope")
 ATTENTIONS = ("mha", "gqa", "mla")
+# How chapter 16's attention computes softmax(q kᵀ) v: PyTorch's fused kernels, or chapter 22's
+# tiled forward and backward (the same numbers, without the score matrix; a teaching version).
+ATTENTION_BACKENDS = ("sdpa", "tiled")
 
 # The fields only chapter 16's attention has.
 GQA_FIELDS = {"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None}
@@ -82,6 +85,10 @@ class LMConfig:
     ``q_lora_rank`` (None: directly), each head's query and key ``qk_nope_head_dim`` wide
     without positions plus ``qk_rope_head_dim`` rotary (``rope_interleave``: its pairs are
     interleaved, DeepSeek's checkpoints), values ``v_head_dim`` wide.
+
+    ``attention_backend`` (chapter 22, ``attention="gqa"`` without dropout): ``"sdpa"``
+    (PyTorch's fused kernels) or ``"tiled"`` (FlashAttention-2's tiled forward and backward,
+    never building the score matrix; a teaching version, slower). Both give the same numbers.
     """
 
     vocab_size: int
@@ -120,6 +127,7 @@ class LMConfig:
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     rope_interleave: bool = False
+    attention_backend: str = "sdpa"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_len"):
@@ -133,6 +141,12 @@ class LMConfig:
         check_choice("activation", self.activation, FEED_FORWARDS)
         check_choice("positions", self.positions, POSITIONS)
         check_choice("attention", self.attention, ATTENTIONS)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.attention_backend == "tiled" and (self.attention != "gqa" or self.dropout):
+            raise ValueError(
+                "attention_backend='tiled' is chapter 22's attention for chapter 16's layout: "
+                f"set attention='gqa' and dropout=0 (got {self.attention!r}, {self.dropout})"
+            )
         for name in ("norm_first", "bias", "tie_embeddings", "scale_embeddings", "qk_norm"):
             check_bool(name, getattr(self, name))
         self._check_heads()

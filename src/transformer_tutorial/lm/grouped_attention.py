@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_tutorial.checks import check_bool, check_int, check_number, check_optional_int
+from transformer_tutorial.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_optional_int,
+)
 from transformer_tutorial.lm.cache import GroupedKVCache
 from transformer_tutorial.masks import (
     causal_mask,
@@ -24,6 +30,7 @@ from transformer_tutorial.masks import (
     sliding_window_causal_mask,
 )
 from transformer_tutorial.norms import RMSNorm
+from transformer_tutorial.tiled_attention import tiled_attention
 
 # A position scheme: (queries (B, H, L, Dh), keys (B, Hkv, L, Dh), position ids (B, L)) → the
 # queries and keys it has encoded the positions into (rotary embeddings, chapter 15).
@@ -80,6 +87,9 @@ class GroupedQueryAttention(nn.Module):
         positions: a :data:`PositionHook` applied to queries and keys with their position ids
             (rotary embeddings); None leaves them as they are.
         dropout: dropout on the attention weights while training.
+        backend: ``"sdpa"`` (``F.scaled_dot_product_attention``) or ``"tiled"`` (chapter 22's
+            :func:`~transformer_tutorial.tiled_attention.tiled_attention`: the same numbers
+            without the score matrix; no window, no dropout).
 
     Shapes:
         x ``(B, L, D)`` → ``(B, L, D)``; ``position_ids`` ``(B, L)`` (default: the positions after
@@ -106,9 +116,16 @@ class GroupedQueryAttention(nn.Module):
         window: int | None = None,
         positions: PositionHook | None = None,
         dropout: float = 0.0,
+        backend: str = "sdpa",
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        check_choice("backend", backend, ("sdpa", "tiled"))
+        if backend == "tiled" and (window is not None or dropout):
+            raise ValueError(
+                "backend='tiled' (chapter 22) has no sliding window and no dropout: set "
+                f"window=None and dropout=0 (got {window}, {dropout})"
+            )
         check_int("d_model", d_model, at_least=1)
         check_int("n_heads", n_heads, at_least=1)
         check_int("n_kv_heads", n_kv_heads, at_least=1)
@@ -136,6 +153,7 @@ class GroupedQueryAttention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.d_head = d_model // n_heads if d_head is None else d_head
         self.window, self.positions, self.dropout = window, positions, dropout
+        self.backend = backend
         self.q_proj = nn.Linear(d_model, n_heads * self.d_head, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
@@ -172,6 +190,14 @@ class GroupedQueryAttention(nn.Module):
         if cache is not None:  # 4) cache: every held position's keys, (B, Hkv, S, Dh)
             keep = None if self.window is None else self.window - 1
             k, v = cache.update(k, v, keep=keep)
+        if self.backend == "tiled":  # 5) chapter 22: the same, one tile of scores at a time
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[:, -k.size(2) :]  # the positions held
+            out = tiled_attention(
+                q.contiguous(), k, v, key_padding_mask=key_padding_mask, is_causal=True
+            )
+            out = out.transpose(1, 2).reshape(B, L, self.n_heads * self.d_head)
+            return self.out_proj(out)
         allowed, is_causal = self._allowed(B, L, k.size(2), seen, key_padding_mask)
         out = F.scaled_dot_product_attention(  # 5) attend, each K/V head serving its group
             q,

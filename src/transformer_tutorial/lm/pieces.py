@@ -130,6 +130,7 @@ def make_attention(
         window=config.window,
         positions=rotary,
         dropout=config.dropout,
+        backend=config.attention_backend,
     )
 
 
