@@ -1,0 +1,106 @@
+"""lm.cache: a growing and a preallocated cache hold the same positions after any sequence of
+updates, windows and rewinds; the latent cache is the same machinery along its own axis; the
+model's cache counts the positions once and rewinds every layer. (Attention with caches:
+test_lm_grouped_attention.py, test_lm_latent_attention.py; the model: test_lm_model.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import raises
+from transformer_tutorial.lm.cache import GroupedKVCache, LatentKVCache, LMCache
+
+B, HKV, DH = 2, 3, 4
+
+
+def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, HKV, n, DH, generator=g), torch.randn(B, HKV, n, DH, generator=g)
+
+
+# (new positions, keep) per update, or ("rewind", n)
+SCRIPTS = {
+    "prompt then tokens": [(5, None), (1, None), (1, None), (2, None)],
+    "window 3": [(4, 2), (1, 2), (1, 2), (3, 2), (1, 2)],
+    "rewinds": [(6, None), ("rewind", 2), (3, None), ("rewind", 4), (1, None)],
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS.values(), ids=SCRIPTS.keys())
+def test_growing_and_preallocated_hold_the_same_positions(script):
+    """Every update returns the held positions, new ones last, agreeing with the positions
+    written out by hand: all given, less the rewound, the last ``keep`` before the new ones."""
+    growing, prealloc = GroupedKVCache(), GroupedKVCache.preallocate(B, HKV, 16, DH)
+    keys: list[torch.Tensor] = []  # the positions given and not rewound, by hand
+    for seed, step in enumerate(script):
+        if step[0] == "rewind":
+            for cache in (growing, prealloc):
+                cache.rewind(step[1])
+            del keys[len(keys) - step[1] :]
+            continue
+        n, keep = step
+        k, v = kv(n, seed)
+        got = [cache.update(k, v, keep=keep) for cache in (growing, prealloc)]
+        held = len(keys) if keep is None else min(len(keys), keep)
+        expected = torch.cat([*keys[len(keys) - held :], *k.unbind(2)], 0).view(-1)
+        keys.extend(k.unbind(2))
+        (k_grow, v_grow), (k_pre, v_pre) = got
+        # growing: exactly what a later query sees; preallocated: everything its buffers hold
+        # (a window drops positions only when full), the same last held + n among them
+        assert k_grow.size(2) == held + n and v_grow.shape == k_grow.shape
+        assert k_pre.size(2) == len(keys) and v_pre.shape == k_pre.shape
+        for k_all in (k_grow, k_pre[:, :, -(held + n) :]):
+            assert torch.equal(k_all.permute(2, 0, 1, 3).reshape(-1), expected)
+        assert growing.seen == prealloc.seen == len(keys)
+    assert prealloc.preallocated and not growing.preallocated
+
+
+def test_the_latent_cache_is_the_same_machinery_along_its_own_axis():
+    """Latents (B, S, W): growing == preallocated; rewind; the buffer allocated once."""
+    growing, prealloc = LatentKVCache(), LatentKVCache.preallocate(B, 10, 7)
+    before = prealloc.latent.data_ptr()
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(B, n, 7, generator=g) for n in (4, 1, 2)]
+    for chunk in chunks:
+        a, b = growing.update(chunk), prealloc.update(chunk)
+        assert torch.equal(a, b)
+    assert torch.equal(a, torch.cat(chunks, 1)) and growing.seen == prealloc.seen == 7
+    for cache in (growing, prealloc):
+        cache.rewind(3)
+    assert torch.equal(growing.update(chunks[0]), prealloc.update(chunks[0]))
+    assert prealloc.latent.data_ptr() == before and prealloc.nbytes == B * 10 * 7 * 4
+    raises(lambda: prealloc.update(torch.randn(B, 3, 7)), ValueError, "holds 10 positions")
+
+
+def test_a_kept_slice_owns_its_storage_and_rewinding_a_window_is_refused():
+    """A growing cache past its window keeps only the last positions, in tensors of their own
+    (the dropped ones freed); it cannot rewind what it dropped."""
+    cache = GroupedKVCache()
+    k, v = kv(8, 0)
+    cache.update(k, v, keep=3)
+    assert cache.nbytes == 2 * B * HKV * 3 * DH * 4 and (cache.seen, cache.held) == (8, 3)
+    raises(lambda: cache.rewind(1), ValueError, "dropped 5 older positions")
+
+
+def test_the_models_cache_counts_once_and_rewinds_every_layer():
+    layers = [GroupedKVCache(), GroupedKVCache.preallocate(B, HKV, 8, DH), LatentKVCache()]
+    cache = LMCache(layers)
+    k, v = kv(5, 1)
+    for layer in layers[:2]:
+        layer.update(k, v)
+    layers[2].update(torch.randn(B, 5, 6))
+    assert cache.length == 5
+    cache.rewind(2)
+    assert cache.length == 3 and [layer.seen for layer in layers] == [3, 3, 3]
+    assert cache.nbytes == sum(layer.nbytes for layer in layers) > 0
+
+
+def test_bad_input_is_refused_by_name():
+    raises(lambda: LMCache([]), ValueError, "one cache per layer")
+    raises(lambda: GroupedKVCache.preallocate(0, 1, 4, 2), ValueError, "batch_size")
+    raises(lambda: LatentKVCache.preallocate(1, 0, 4), ValueError, "max_len")
+    cache = GroupedKVCache()
+    cache.update(*kv(2, 0))
+    raises(lambda: cache.rewind(3), ValueError, "n=3 exceeds the 2 positions")
+    raises(lambda: cache.update(*kv(1, 0), keep=-1), ValueError, "keep must be at least 0")
