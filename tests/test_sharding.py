@@ -148,9 +148,9 @@ def test_fsdp2_on_two_gloo_ranks_resumes_after_a_rank_dies_to_one_process_weight
 
 
 def test_sharded_model_on_one_rank_gathers_in_every_layer(tmp_path):
-    """The model calls its layers' ``forward_with_router_logits``, not the layers themselves:
-    ``shard_model`` makes FSDP gather around that method too, so a sharded model (here on a
-    world of one) runs and takes one process's steps."""
+    """FSDP gathers a layer's weights in hooks around its ``__call__``: the model calls each
+    layer (not a method of it), so a sharded model (here on a world of one) runs and takes one
+    process's steps."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)  # fmt: skip
     try:

@@ -27,11 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import (
-    MixedPrecisionPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from transformer_tutorial.checks import check_int
@@ -77,9 +73,6 @@ def shard_model(
     policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
     for layer in model.layers:
         fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-        # The model calls this method, not the layer itself: FSDP's gathering hooks must run
-        # around it too (they run only around ``__call__`` otherwise).
-        register_fsdp_forward_method(layer, "forward_with_router_logits")
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 

@@ -36,8 +36,6 @@ class DecoderOnlyLayer(nn.Module):
         positions, nothing kept) → ``(B, T_new, D)``; the cache then holds the new positions
         too. ``position_ids`` ``(B, T_new)`` (rotary positions; default: those after the
         cache's) and ``padding_mask`` ``(B, S_past + T_new)``, True at padding.
-        :meth:`forward_with_router_logits` also returns the router's logits ``(B · T_new, E)``
-        of a mixture-of-experts layer (chapter 20), None in a dense layer.
     """
 
     def __init__(
@@ -59,29 +57,17 @@ class DecoderOnlyLayer(nn.Module):
         *,
         position_ids: Tensor | None = None,
         padding_mask: Tensor | None = None,
+        router_logits: list[Tensor] | None = None,
     ) -> Tensor:
-        return self.forward_with_router_logits(
-            x, cache, position_ids=position_ids, padding_mask=padding_mask
-        )[0]
-
-    def forward_with_router_logits(
-        self,
-        x: Tensor,
-        cache: LayerCache | None = None,
-        *,
-        position_ids: Tensor | None = None,
-        padding_mask: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """:meth:`forward`, and the router's logits ``(B · T_new, E)`` (None: a dense layer)."""
+        """``router_logits``: a list to which a mixture-of-experts layer (chapter 20) appends
+        its router's logits ``(B · T_new, E)``; a dense layer adds nothing."""
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), cache, position_ids, padding_mask)
-            ff, router_logits = self._ff_block(self.norm2(x))
-            x = x + ff
+            x = x + self._ff_block(self.norm2(x), router_logits)
         else:
             x = self.norm1(x + self._sa_block(x, cache, position_ids, padding_mask))
-            ff, router_logits = self._ff_block(x)
-            x = self.norm2(x + ff)
-        return x, router_logits
+            x = self.norm2(x + self._ff_block(x, router_logits))
+        return x
 
     def _sa_block(
         self,
@@ -93,8 +79,10 @@ class DecoderOnlyLayer(nn.Module):
         out = self.self_attn(x, cache, position_ids=position_ids, key_padding_mask=padding_mask)
         return self.dropout1(out)
 
-    def _ff_block(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _ff_block(self, x: Tensor, router_logits: list[Tensor] | None) -> Tensor:
         if isinstance(self.ff, MixtureOfExperts):  # chapter 20
-            out, router_logits = self.ff.forward_with_router_logits(x)
-            return self.dropout2(out), router_logits
-        return self.dropout2(self.ff(x)), None
+            out, logits = self.ff.forward_with_router_logits(x)
+            if router_logits is not None:
+                router_logits.append(logits)
+            return self.dropout2(out)
+        return self.dropout2(self.ff(x))

@@ -154,13 +154,15 @@ class LanguageModel(nn.Module):
         position_ids = self._left_padding(padding_mask, ids, start)
         caches = (None,) * len(self.layers) if cache is None else cache.layers
         x = self.positions(self.embed(ids) * self.embed_scale, start)  # (B, T_new, D)
-        routers = []
+        routers: list[Tensor] = []  # the MoE layers' router logits, in order (chapter 20)
         for layer, layer_cache in zip(self.layers, caches, strict=True):
-            x, router_logits = layer.forward_with_router_logits(
-                x, layer_cache, position_ids=position_ids, padding_mask=padding_mask
+            x = layer(
+                x,
+                layer_cache,
+                position_ids=position_ids,
+                padding_mask=padding_mask,
+                router_logits=routers,
             )
-            if router_logits is not None:
-                routers.append(router_logits)
         if self.norm is not None:
             x = self.norm(x)
         return self.lm_head(x), tuple(routers)
