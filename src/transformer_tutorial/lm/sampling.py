@@ -154,7 +154,8 @@ def generate(
     ``"preallocated"`` (for the prompt and every new token).
 
     Reads back from the device: the prompt's id range once, then one read a token with
-    ``eos_id`` ("has every row finished?") and none without.
+    ``eos_id`` ("has every row finished?") and none without (without ``use_cache`` each
+    forward pass also checks the ids again: one more a token).
 
     Args:
         model: a :class:`LanguageModel`, put in ``eval()`` by the caller.
