@@ -22,15 +22,23 @@ Sections:
      config, our weights copied in (their "sdpa" attention): throughput ours ÷ theirs of a
      training step (forward, next-token loss, backward, AdamW) at a few batch shapes and of greedy
      generation with a KV cache (ours) vs ``generate(do_sample=False)``, the logits and tokens
-     checked equal in float32 first. On a CPU the model chapter 17 trains, on a GPU its
-     GPT-2-small-sized capstone;
+     checked equal in float32 first: chapter 17's GPT-2-small-sized capstone (Llama-style,
+     153 M weights), on a CPU a step at B=4, T=128 and 128 new tokens at batch 1 and 8;
   7. chapter 20's mixture-of-experts layer against ``transformers``' ``Qwen3MoeSparseMoeBlock``
      with the same weights: throughput ours ÷ theirs of a forward pass and of forward +
      backward, at 8 experts (2 per token) and Qwen3-30B-A3B's 128 (8 per token), the outputs
      checked equal in float32 first;
   8. chapter 21's latent attention: one decoding step after a cache of latents, the absorbed
      form ÷ the unabsorbed one (ratio unabsorbed ÷ absorbed time), outputs checked equal first;
-     on a CPU 16 heads of DeepSeek-V3's widths after 2,048 positions, on a GPU its layer.
+     on a CPU 16 heads of DeepSeek-V3's widths after 2,048 positions, on a GPU its layer;
+  9. speculative decoding at batch 1 (chapter 23), section 6's model the target: the speed-up
+     over plain greedy decoding and the acceptance rate of two drafts that say what they are
+     (the random target agrees with no trained draft): one that proposes the last token again,
+     and the target's own first two layers (an early exit); the tokens asserted equal;
+ 10. the paged cache's overhead: greedy decoding with it ÷ with the preallocated cache,
+     section 6's model at batch 1 and 8, the tokens asserted equal;
+ 11. chapter 22's tiled attention ÷ ``F.scaled_dot_product_attention``, causal, forward and
+     forward + backward, at a few lengths, the values checked close (a report: no goal).
 
 The models are those of ``transformer_tutorial.configs.CONFIGS``. Both models share one wrapper
 (embeddings, positional encoding, generator), one batch with padding and the same masks. Every
@@ -40,7 +48,8 @@ measurement interleaves the two (a busy machine slows both alike) and reports th
 
 Modules: ``cli`` (arguments, settings, the run's description), ``timing`` (interleaved
 medians), ``models`` (the ``nn.Transformer`` wrapper, the batch, the timed steps), one module a
-section (``train_forward``, ``decoding``, ``beam``, ``attention``, ``llama``, ``lm.moe``,
-``mla``), ``mfu`` (peaks and utilisation), ``memory`` with the fresh-process probe
-``memory_probe``, ``report`` (table, plot, JSON) and ``__main__``.
+section (``train_forward``, ``decoding``, ``beam``, ``attention``, ``llama``, ``moe``,
+``mla``, ``speculative``, ``paged``, ``tiled``), ``mfu`` (peaks and utilisation), ``memory``
+with the fresh-process probe ``memory_probe``, ``report`` (table, plot, JSON) and
+``__main__``.
 """

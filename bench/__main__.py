@@ -14,7 +14,10 @@ from bench.decoding import bench_decoding
 from bench.llama import bench_llama
 from bench.mla import bench_mla
 from bench.moe import bench_moe
+from bench.paged import bench_paged
 from bench.report import print_table, write_results
+from bench.speculative import bench_speculative
+from bench.tiled import bench_tiled
 from bench.train_forward import bench_models
 from transformer_tutorial.allocator import keep_freed_memory
 
@@ -30,7 +33,8 @@ SECTIONS = (
     ("4. beam 5 vs greedy on test2016", "beam", bench_beam),
     ("5. attention alone, written out vs fused", "attention", bench_attention),
     (
-        "6. chapter 17's Llama-style model, ours vs transformers' LlamaForCausalLM",
+        "6. chapter 17's Llama-style model (the capstone on a full run), ours vs transformers' "
+        "LlamaForCausalLM",
         "llama",
         bench_llama,
     ),
@@ -44,6 +48,18 @@ SECTIONS = (
         "mla",
         bench_mla,
     ),
+    (
+        "9. speculative decoding at batch 1 (chapter 23), section 6's model as the target, "
+        "two drafts vs plain greedy",
+        "speculative",
+        bench_speculative,
+    ),
+    (
+        "10. the paged cache (chapter 23) vs the preallocated one, greedy decoding",
+        "paged",
+        bench_paged,
+    ),
+    ("11. chapter 22's tiled attention vs F.sdpa (a report: no goal)", "tiled", bench_tiled),
 )
 
 
@@ -70,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"bench: {device.type} ({meta['device_name']}), torch {torch.__version__}, "
         f"{meta['threads']} threads (fixed), {meta['precision']}, median of "
-        f"{settings.repeats} interleaved runs",
+        f"{settings.repeats} interleaved runs"
+        + (
+            f" ({settings.llama_repeats} at {settings.llama_config}'s size)"
+            if settings.llama_repeats != settings.repeats
+            else ""
+        ),
         flush=True,
     )
     start = time.perf_counter()

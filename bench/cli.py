@@ -82,9 +82,12 @@ class Settings:
     matmul_size: int  # the square matrix product the peak is measured on
     peak_flops: float | None  # --peak-tflops, as FLOP/s
     llama_config: str  # a model of bench/llama.py's MODELS
+    llama_repeats: int  # timed runs of a measurement at that model's size (≤ repeats)
     llama_train_shapes: tuple[tuple[int, int], ...]  # (sentences, length) a training step
-    llama_prompt: tuple[int, int]  # (sentences, length) of the prompts generation continues
+    llama_prompts: tuple[tuple[int, int], ...]  # (sentences, length) generation continues
     llama_new_tokens: tuple[int, ...]  # tokens generated
+    draft_k: int  # tokens the draft proposes a round (speculative decoding)
+    tiled_lengths: tuple[int, ...]  # L of the tiled attention against F.sdpa
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, device: torch.device) -> Settings:
@@ -115,21 +118,34 @@ class Settings:
             checkpoint=args.checkpoint,
             matmul_size=256 if quick else (16384 if cuda else 2048),
             peak_flops=None if args.peak_tflops is None else 1e12 * args.peak_tflops,
-            # On a CPU the Llama-style model chapter 17 trains (max_len 80); on a GPU chapter
-            # 17's capstone. Training batches are (sentences, length).
-            llama_config="tiny" if quick else ("capstone" if cuda else "comparison"),
+            # Chapter 17's GPT-2-small-sized capstone (sections 6, 9 and 10). On 2 CPU cores a
+            # generation of 128 tokens at batch 8 takes seconds a side: 3 timed runs at most
+            # keep `make bench` within 10 minutes. Training batches are (sentences, length).
+            llama_config="tiny" if quick else "capstone",
+            llama_repeats=args.repeats if cuda or quick else min(args.repeats, 3),
             llama_train_shapes=(
-                ((2, 16),)
-                if quick
-                else (((8, 512), (16, 1024)) if cuda else ((8, 32), (16, 64), (32, 80)))
+                ((2, 16),) if quick else (((8, 512), (16, 1024)) if cuda else ((4, 128),))
             ),
-            llama_prompt=(2, 4) if quick else ((8, 32) if cuda else (8, 16)),
-            llama_new_tokens=(8,) if quick else ((128, 512) if cuda else (32, 64)),
+            llama_prompts=(
+                ((2, 4),) if quick else (((1, 32), (8, 32)) if cuda else ((1, 8), (8, 8)))
+            ),
+            llama_new_tokens=(8,) if quick else ((128, 512) if cuda else (128,)),
+            # A short k suits section 9's drafts: the copy draft's proposals after its first
+            # rejection are wasted steps, and the early exit's are all rejected.
+            draft_k=2,
+            tiled_lengths=(
+                (64, 100) if quick else ((1024, 4096) if cuda else (256, 512, 1024, 2048))
+            ),
         )
 
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.precision]
+
+    def warmup_after_check(self) -> int:
+        """Untimed runs left once a float32 check has run the timed call itself (in float32,
+        the timed precision, it is one untimed run already)."""
+        return max(self.warmup - 1, 0) if self.precision == "fp32" else self.warmup
 
 
 def device_name(device: torch.device) -> str:
@@ -146,6 +162,7 @@ def run_meta(settings: Settings, device: torch.device, argv: list[str] | None) -
         "threads": torch.get_num_threads(),
         "precision": "bf16 autocast" if settings.precision == "bf16" else "fp32",
         "repeats": settings.repeats,
+        "llama_repeats": settings.llama_repeats,
         "quick": settings.quick,
         "commit": git_commit()["commit"],
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

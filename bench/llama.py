@@ -11,7 +11,7 @@ float32: the same logits on a batch, the same greedy tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from itertools import product
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,6 @@ from transformers import LlamaForCausalLM
 
 from bench.cli import Settings
 from bench.timing import interleaved
-from transformer_tutorial.lm.comparison import VOCAB_SIZE, comparison_config
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.hf_weights import copy_to_llama, llama_config
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
@@ -28,9 +27,9 @@ from transformer_tutorial.precision import autocast
 
 # The sides: their names in the timings, and the prefix of their keys in a row.
 SIDES = {"ours": "ours", "theirs": "LlamaForCausalLM"}
-# The models, dropout off (so train mode computes the same on both sides): "comparison" is the
-# Llama-style model chapter 17 trains (lm_comparison), "capstone" chapter 17's GPT-2-small-sized
-# Llama (50,257 tokens, 12 layers of 768, 4 key/value heads), "tiny" a smoke test's.
+# The models, dropout off (so train mode computes the same on both sides): "capstone" is chapter
+# 17's GPT-2-small-sized Llama (50,257 tokens, 12 layers of 768, 4 key/value heads, an output
+# layer of its own: 153 M weights), "tiny" a smoke test's.
 MODELS = {
     "tiny": LMConfig(
         vocab_size=100,
@@ -42,7 +41,6 @@ MODELS = {
         dropout=0.0,
         **(LLAMA | dict(n_kv_heads=2)),
     ),
-    "comparison": replace(comparison_config("llama", VOCAB_SIZE), dropout=0.0),
     "capstone": LMConfig(
         vocab_size=50_257, dropout=0.0, **(LLAMA | dict(d_ff=2048, n_kv_heads=4))
     ),
@@ -155,7 +153,7 @@ def train_rows(
         with torch.no_grad():  # before any step: the same weights
             diff = logits_difference(*(step.forward("fp32") for step in steps.values()))
         row = _row(
-            interleaved(steps, s.repeats, s.warmup, device),
+            interleaved(steps, s.llama_repeats, s.warmup, device),
             batch=batch,
             length=length,
             fp32_logits_diff=diff,
@@ -174,12 +172,12 @@ def train_rows(
 def generate_rows(
     s: Settings, models: dict[str, nn.Module], vocab: int, device: torch.device
 ) -> list[dict]:
-    """(b) Greedy generation of each of ``s.llama_new_tokens`` after ``s.llama_prompt``
-    (sentences, length); the two sides' tokens compared first, in float32."""
-    batch, length = s.llama_prompt
-    prompt = _batch(vocab, batch, length, device)
+    """(b) Greedy generation of each of ``s.llama_new_tokens`` after each of
+    ``s.llama_prompts`` (sentences, length); the two sides' tokens compared first, in float32
+    (on a CPU that run is the first untimed one)."""
     rows = []
-    for n in s.llama_new_tokens:
+    for (batch, length), n in product(s.llama_prompts, s.llama_new_tokens):
+        prompt = _batch(vocab, batch, length, device)
         fns = {
             name: greedy_fn(side, models[side], prompt, n, s.precision)
             for side, name in SIDES.items()
@@ -187,7 +185,7 @@ def generate_rows(
         checks = [greedy_fn(side, models[side], prompt, n, "fp32")() for side in SIDES]
         same = checks[0].shape == checks[1].shape and torch.equal(checks[0], checks[1])
         row = _row(
-            interleaved(fns, s.repeats, s.warmup, device),
+            interleaved(fns, s.llama_repeats, s.warmup_after_check(), device),
             batch=batch,
             prompt=length,
             new_tokens=n,
@@ -195,7 +193,7 @@ def generate_rows(
         )
         rows.append(row)
         print(
-            f"  generate {n:>4} tokens ×{batch}: ours {row['ours_ms']:8.1f} ms  "
+            f"  generate {n:>4} tokens ×{batch:<2}: ours {row['ours_ms']:8.1f} ms  "
             f"LlamaForCausalLM.generate {row['theirs_ms']:8.1f} ms  throughput ratio "
             f"{row['ratio']:.2f}  (fp32 tokens {'the same' if same else 'DIFFER'})",
             flush=True,

@@ -63,6 +63,9 @@ def print_table(results: dict) -> None:
                 + f"{spread:>14}"
             )
     print_llama_table(results["llama"])
+    for key, table in EXTRA_TABLES:
+        if key in results:  # records made before the section was added lack it
+            table(results[key])
 
 
 def print_llama_table(llama: dict) -> None:
@@ -86,6 +89,102 @@ def print_llama_table(llama: dict) -> None:
             f"{label:<10}{shape:<14}{r['ours_ms']:>10.1f}{r['theirs_ms']:>11.1f}{r['ratio']:>7.2f}"
             f"{spread:>12}  {'same' if same else 'DIFFERENT'}"
         )
+
+
+def _same(flag: bool) -> str:
+    return "same" if flag else "DIFFERENT"
+
+
+def print_moe_table(moe: dict) -> None:
+    """Section 7: each row's medians and throughput ratio ours ÷ Qwen3MoeSparseMoeBlock."""
+    print(
+        "\nthroughput ratio ours ÷ transformers' Qwen3MoeSparseMoeBlock (> 1: ours faster), "
+        "same weights, median wall clock"
+    )
+    print(f"{'':10}{'shape':<24}{'ours ms':>10}{'theirs ms':>11}{'ratio':>7}{'spread':>12}  check")
+    for r in moe["rows"]:
+        shape = f"E={r['n_experts']} k={r['top_k']} N={r['tokens']}"
+        spread = f"{r['ours_spread']:.0%}/{r['theirs_spread']:.0%}"
+        print(
+            f"{r['mode']:<10}{shape:<24}{r['ours_ms']:>10.2f}{r['theirs_ms']:>11.2f}"
+            f"{r['ratio']:>7.2f}{spread:>12}  {_same(r['same_output'])}"
+        )
+
+
+def print_mla_table(r: dict) -> None:
+    """Section 8: one decoding step, absorbed and unabsorbed."""
+    print(
+        f"\nlatent attention, one decoding step (B={r['batch']} after S={r['cached']}, "
+        f"H={r['heads']}): ratio unabsorbed ÷ absorbed (> 1: absorbed faster)"
+    )
+    print(f"{'absorbed ms':>12}{'unabsorbed ms':>15}{'ratio':>7}{'spread':>12}  check")
+    spread = f"{r['absorbed_spread']:.0%}/{r['unabsorbed_spread']:.0%}"
+    print(
+        f"{r['absorbed_ms']:>12.2f}{r['unabsorbed_ms']:>15.2f}{r['ratio']:>7.2f}{spread:>12}  "
+        f"{_same(r['same_output'])}"
+    )
+
+
+def print_speculative_table(spec: dict) -> None:
+    """Section 9: each draft's acceptance, target calls and speed-up over plain greedy."""
+    print(
+        f"\nspeculative decoding, speed-up over plain greedy (> 1: faster), {spec['config']} "
+        f"target ({spec['target_weights']:,} weights), batch 1, {spec['new_tokens']} tokens; "
+        f"the target repeats its previous token in {spec['target_repeat_rate']:.0%} of steps"
+    )
+    print(
+        f"{'draft':<14}{'k':>3}{'accepted':>10}{'calls':>7}{'spec ms':>10}{'plain ms':>10}"
+        f"{'speed-up':>10}{'spread':>12}  check"
+    )
+    for r in spec["rows"]:
+        spread = f"{r['speculative_spread']:.0%}/{r['plain_spread']:.0%}"
+        print(
+            f"{r['draft']:<14}{r['k']:>3}{r['acceptance_rate']:>10.0%}{r['target_calls']:>7}"
+            f"{r['speculative_ms']:>10.1f}{r['plain_ms']:>10.1f}{r['speedup']:>10.2f}"
+            f"{spread:>12}  {_same(r['same_tokens'])}"
+        )
+    for r in spec["rows"]:
+        print(f"  {r['draft']}: {r['draft_is']}")
+
+
+def print_paged_table(paged: dict) -> None:
+    """Section 10: greedy decoding with each cache, ratio paged ÷ preallocated."""
+    print(
+        f"\npaged cache's overhead, ratio paged ÷ preallocated time (> 1: paged slower), "
+        f"greedy decoding, {paged['config']} ({paged['weights']:,} weights)"
+    )
+    print(f"{'shape':<18}{'blocks':>10}{'prealloc ms':>13}{'paged ms':>10}{'ratio':>7}  check")
+    for r in paged["rows"]:
+        shape = f"B={r['batch']} n={r['new_tokens']}"
+        blocks = f"{r['n_blocks']}×{r['block_size']}"
+        print(
+            f"{shape:<18}{blocks:>10}{r['preallocated_ms']:>13.1f}{r['paged_ms']:>10.1f}"
+            f"{r['ratio']:>7.2f}  {_same(r['same_tokens'])}"
+        )
+
+
+def print_tiled_table(tiled: dict) -> None:
+    """Section 11: the tiled attention's time ÷ F.sdpa's (a report, no goal)."""
+    print(
+        f"\ntiled attention (chapter 22, a teaching implementation) ÷ F.sdpa time, causal, "
+        f"B={tiled['batch']} H={tiled['heads']} Dh={tiled['d_head']}, float32"
+    )
+    print(f"{'':10}{'L':>6}{'tiled ms':>10}{'sdpa ms':>10}{'ratio':>8}  check")
+    for r in tiled["rows"]:
+        print(
+            f"{r['mode']:<10}{r['L']:>6}{r['tiled_ms']:>10.2f}{r['sdpa_ms']:>10.2f}"
+            f"{r['ratio']:>8.1f}  {_same(r['same_output'])}"
+        )
+
+
+# The later sections' tables: (key in the results, the table).
+EXTRA_TABLES = (
+    ("moe", print_moe_table),
+    ("mla", print_mla_table),
+    ("speculative", print_speculative_table),
+    ("paged", print_paged_table),
+    ("tiled", print_tiled_table),
+)
 
 
 def _plot_ratios(ax, results: dict) -> None:
@@ -136,8 +235,8 @@ def _plot_llama(ax, llama: dict, kind: str) -> None:
     if kind == "train_step":
         labels, title = [f"B={r['batch']}\nT={r['length']}" for r in rows], "training step"
     else:
-        labels = [f"{r['new_tokens']} tokens" for r in rows]
-        title = f"greedy generation, {rows[0]['batch']} prompts of {rows[0]['prompt']}"
+        labels = [f"B={r['batch']}\n{r['new_tokens']} tokens" for r in rows]
+        title = f"greedy generation, prompts of {rows[0]['prompt']}"
     ax.bar(range(len(rows)), [r["ratio"] for r in rows], 0.5)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)), labels)
@@ -145,20 +244,69 @@ def _plot_llama(ax, llama: dict, kind: str) -> None:
     ax.set_title(f"Llama-style ({llama['config']}): {title}")
 
 
+def _plot_speculative(ax, spec: dict) -> None:
+    """Section 9: each draft's speed-up, its acceptance rate under the bar."""
+    rows = spec["rows"]
+    ax.bar(range(len(rows)), [r["speedup"] for r in rows], 0.5)
+    ax.axhline(1.0, color="k", lw=0.8)
+    labels = [f"{r['draft']}\naccepted {r['acceptance_rate']:.0%}" for r in rows]
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("speed-up over plain greedy")
+    ax.set_title(f"speculative decoding, batch 1, k={rows[0]['k']} ({spec['config']})")
+
+
+def _plot_side_ratios(ax, rows: list[dict], labels: list[str], ylabel: str, title: str) -> None:
+    ax.bar(range(len(rows)), [r["ratio"] for r in rows], 0.5)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set(ylabel=ylabel, title=title)
+
+
+def _plot_tiled(ax, tiled: dict) -> None:
+    """Section 11: time against L, both modes, both sides."""
+    for mode, marker in (("forward", "o"), ("train", "s")):
+        rows = [r for r in tiled["rows"] if r["mode"] == mode]
+        ls = [r["L"] for r in rows]
+        ax.plot(ls, [r["tiled_ms"] for r in rows], f"C0{marker}-", label=f"tiled, {mode}")
+        ax.plot(ls, [r["sdpa_ms"] for r in rows], f"C1{marker}--", label=f"F.sdpa, {mode}")
+    ax.set(xscale="log", yscale="log", xlabel="L", ylabel="ms")
+    ax.set_title("tiled attention vs F.sdpa (causal, float32)")
+    ax.legend()
+
+
+def _plot_later_sections(axes, results: dict) -> None:
+    """The third row: sections 9, 10 and 11, where the results have them."""
+    if "speculative" in results:
+        _plot_speculative(axes[0], results["speculative"])
+    if "paged" in results:
+        rows = results["paged"]["rows"]
+        _plot_side_ratios(
+            axes[1],
+            rows,
+            [f"B={r['batch']}\n{r['new_tokens']} tokens" for r in rows],
+            "time, paged ÷ preallocated",
+            f"paged cache's overhead ({results['paged']['config']})",
+        )
+    if "tiled" in results:
+        _plot_tiled(axes[2], results["tiled"])
+
+
 def plot(results: dict, path: Path) -> None:
-    """Six panels: the ratios, decoding, attention's time and its peak memory, and section 6's
-    ratios against LlamaForCausalLM (training, generation)."""
+    """Nine panels: the ratios, decoding, attention's time and its peak memory, section 6's
+    ratios against LlamaForCausalLM (training, generation), and sections 9-11 (speculative
+    decoding, the paged cache, the tiled attention)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+    fig, axes = plt.subplots(3, 3, figsize=(16, 12))
     _plot_ratios(axes[0, 0], results)
     _plot_decoding(axes[0, 1], results["decode"])
     _plot_attention(axes[1, 0], axes[1, 1], results["attention"])
     _plot_llama(axes[0, 2], results["llama"], "train_step")
     _plot_llama(axes[1, 2], results["llama"], "generate")
+    _plot_later_sections(axes[2], results)
     meta = results["meta"]
     fig.suptitle(f"{meta['device_name']}, torch {meta['torch']}, {meta['threads']} threads")
     fig.tight_layout()

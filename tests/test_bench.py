@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from transformer_tutorial.dropout import cheap_masks_pay
+from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.sampling import generate
+from transformer_tutorial.lm.speculative import speculative_generate
 from transformer_tutorial.records import load_reference_bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +68,9 @@ def test_bench_quick_runs_every_section_and_writes_results(
     _check_llama(results, out)
     _check_moe(results, out)
     _check_mla(results, out)
+    _check_speculative(results, out)
+    _check_paged(results, out)
+    _check_tiled(results, out)
 
 
 def _check_mfu(results: dict, out: str) -> None:
@@ -121,7 +127,10 @@ def _check_moe(results: dict, out: str) -> None:
     for r in rows:
         assert r["same_output"] and r["fp32_output_diff"] <= 1e-4
         assert r["ratio"] == pytest.approx(r["theirs_ms"] / r["ours_ms"]) and r["ratio"] > 0
-    assert "Qwen3MoeSparseMoeBlock" in out
+    table = out[out.index("throughput ratio ours ÷ transformers' Qwen3MoeSparseMoeBlock") :]
+    lines = table.splitlines()[2:4]
+    assert [line.split()[0] for line in lines] == ["forward", "train"]
+    assert all(line.endswith("same") for line in lines)
 
 
 def _check_mla(results: dict, out: str) -> None:
@@ -132,6 +141,53 @@ def _check_mla(results: dict, out: str) -> None:
     assert row["ratio"] == pytest.approx(row["unabsorbed_ms"] / row["absorbed_ms"])
     assert row["cache_mib"] == 2 * 16 * (16 + 6) * 4 / 2**20  # the latents and rotary keys
     assert "ratio unabsorbed ÷ absorbed" in out
+    assert "latent attention, one decoding step (B=2 after S=16, H=4)" in out  # the table
+
+
+def _check_speculative(results: dict, out: str) -> None:
+    """Section 9: both drafts gave the target's greedy tokens; each row says what its draft is
+    and how often it was accepted; the table prints a line a draft."""
+    spec = results["speculative"]
+    assert (spec["config"], spec["batch"], spec["new_tokens"]) == ("tiny", 1, 8)
+    assert 0 <= spec["target_repeat_rate"] <= 1
+    assert [r["draft"] for r in spec["rows"]] == ["copy", "first_layers"]
+    for r in spec["rows"]:
+        assert r["same_tokens"] and r["k"] == 2 and 0 <= r["acceptance_rate"] <= 1
+        assert 1 <= r["target_calls"] <= 8 and r["draft_is"]
+        assert r["speedup"] == pytest.approx(r["plain_ms"] / r["speculative_ms"])
+    assert "shares nothing with the target" in spec["rows"][0]["draft_is"]
+    table = out[out.index("speculative decoding, speed-up over plain greedy") :].splitlines()
+    assert [line.split()[0] for line in table[2:4]] == ["copy", "first_layers"]
+    assert all(line.endswith("same") for line in table[2:4])
+
+
+def _check_paged(results: dict, out: str) -> None:
+    """Section 10: the paged and preallocated caches gave the same tokens at each batch."""
+    rows = results["paged"]["rows"]
+    assert [(r["batch"], r["new_tokens"], r["block_size"]) for r in rows] == [(1, 8, 4), (2, 8, 4)]
+    assert [r["n_blocks"] for r in rows] == [3, 6]  # 12 positions a row, in blocks of 4
+    for r in rows:
+        assert r["same_tokens"]
+        assert r["ratio"] == pytest.approx(r["paged_ms"] / r["preallocated_ms"])
+    table = out[out.index("paged cache's overhead") :].splitlines()
+    assert all(line.endswith("same") for line in table[2:4])
+
+
+def _check_tiled(results: dict, out: str) -> None:
+    """Section 11: the tiled attention's outputs and gradients equal F.sdpa's, at a length that
+    is a multiple of the tile and one that is not."""
+    rows = results["tiled"]["rows"]
+    assert [(r["mode"], r["L"]) for r in rows] == [
+        ("forward", 64),
+        ("train", 64),
+        ("forward", 100),
+        ("train", 100),
+    ]
+    for r in rows:
+        assert r["same_output"] and r["fp32_output_diff"] <= 1e-4 and r["fp32_grad_diff"] <= 1e-4
+        assert r["ratio"] == pytest.approx(r["tiled_ms"] / r["sdpa_ms"])
+    table = out[out.index("tiled attention (chapter 22") :].splitlines()
+    assert len(table) >= 6 and all(line.endswith("same") for line in table[2:6])
 
 
 @pytest.mark.parametrize("cheap", [True, False])
@@ -266,3 +322,23 @@ def test_moe_pair_computes_the_same_and_its_check_sees_a_difference(bench):
         theirs.experts.down_proj[1] += 0.1
         changed = theirs(x)
         assert (ours(x) - changed).abs().max() / changed.abs().max() > 100 * moe.OUTPUT_RTOL
+
+
+def test_speculative_drafts_are_what_section_9_says(bench):
+    """The copy draft proposes the token it read; the early exit holds the target's own first
+    layers; with either, speculative decoding gives the target's greedy tokens."""
+    import bench.speculative as speculative
+
+    torch.manual_seed(0)
+    target = LanguageModel(speculative.MODELS["tiny"]).eval()
+    copy = speculative.copy_draft(target, 32)
+    assert speculative.copies_its_input(copy, torch.device("cpu"))
+    early = speculative.first_layers_draft(target, 1)
+    assert len(early.layers) == 1 and len(target.layers) == 2
+    ours = target.state_dict()
+    assert all(torch.equal(w, ours[name]) for name, w in early.state_dict().items())
+    prompt = torch.tensor([[5, 7, 9]])
+    plain = generate(target, prompt, 10, greedy=True)
+    for draft in (copy, early):
+        out = speculative_generate(target, draft, prompt, 10, k=3, greedy=True)
+        assert torch.equal(out.ids, plain)

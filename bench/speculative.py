@@ -1,0 +1,149 @@
+"""Section 9: speculative decoding at batch 1, the speed-up over the target's plain greedy
+decoding (:func:`~transformer_tutorial.lm.sampling.generate`), with the acceptance rate.
+
+The target is section 6's model with random weights (seed 0), so no trained draft agrees with
+it: a draft that shares nothing with it is accepted almost never. Two drafts, both honest about
+what they are, bracket the speed-up:
+
+- ``copy``: proposes the last token again. It is a language model of one layer whose weights
+  are all zero (the layer adds nothing to the residual stream) and whose output layer is its
+  own embedding table (tied), so the most likely next token is the one it read; that is
+  checked before any timing. It costs little next to the target, and it is accepted as often
+  as the target repeats itself, which these random weights do (``target_repeat_rate``): a
+  trained model repeats less.
+- ``first_layers``: the target's own first layers, with its embedding, final norm and output
+  layer (an early exit, as LayerSkip drafts): it shares the target's weights, costs a share of
+  each target step, and with random weights agrees with it hardly ever.
+
+Greedy speculative decoding gives the target's greedy tokens whatever the draft proposes: the
+tokens are asserted equal to plain decoding's before any timing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from bench.cli import Settings
+from bench.llama import MODELS
+from bench.timing import interleaved
+from transformer_tutorial.lm.config import LLAMA, LMConfig
+from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.sampling import generate
+from transformer_tutorial.lm.speculative import speculative_generate
+
+PLAIN = "plain greedy"
+# (prompt length, new tokens, the copy draft's width, the early exit's layers): --quick, full.
+SHAPES = {"quick": (4, 8, 32, 1), "full": (8, 64, 128, 2)}
+DRAFTS = {
+    "copy": "proposes the last token again: 1 layer of zero weights, D={width}, tied embeddings; "
+    "shares nothing with the target",
+    "first_layers": "the target's first {layers} of {n_layers} layers, with its embedding, final "
+    "norm and output layer (an early exit)",
+}
+
+
+def copy_draft(target: LanguageModel, width: int) -> LanguageModel:
+    """A draft whose most likely next token is the one it read (see the module)."""
+    config = LMConfig(
+        vocab_size=target.config.vocab_size,
+        d_model=width,
+        n_heads=2,
+        n_layers=1,
+        d_ff=width,
+        max_len=target.config.max_len,
+        dropout=0.0,
+        **(LLAMA | dict(n_kv_heads=1, tie_embeddings=True)),
+    )
+    torch.manual_seed(1)
+    draft = LanguageModel(config).to(target.lm_head.weight.device).eval()
+    with torch.no_grad():
+        for p in draft.layers.parameters():
+            p.zero_()
+    return draft
+
+
+def first_layers_draft(target: LanguageModel, layers: int) -> LanguageModel:
+    """The target cut after ``layers`` layers: the same embedding, layers, norm and head."""
+    draft = LanguageModel(replace(target.config, n_layers=layers))
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
+    if missing:
+        raise RuntimeError(f"the early exit lacks the target's {missing}")
+    return draft.to(target.lm_head.weight.device).eval()
+
+
+def copies_its_input(draft: LanguageModel, device: torch.device, n: int = 256) -> bool:
+    """Whether the copy draft's most likely token after each of ``n`` ids is that id."""
+    ids = torch.linspace(0, draft.config.vocab_size - 1, n).long().to(device)[:, None]  # (n, 1)
+    with torch.no_grad():
+        return bool(torch.equal(draft(ids)[:, -1].argmax(-1), ids[:, 0]))
+
+
+def _fns(
+    target: LanguageModel, drafts: dict, prompt: Tensor, n: int, k: int
+) -> dict[str, Callable[[], Tensor]]:
+    fns = {PLAIN: lambda: generate(target, prompt, n, greedy=True)}
+    for name, draft in drafts.items():
+        fns[name] = lambda d=draft: speculative_generate(target, d, prompt, n, k=k, greedy=True)
+    return fns
+
+
+def bench_speculative(s: Settings, device: torch.device) -> dict:
+    """Section 9: each draft's tokens checked equal to plain greedy decoding's (that run is
+    the first untimed one), then the three decoders timed in turns."""
+    prompt_len, n, width, layers = SHAPES["quick" if s.quick else "full"]
+    config = MODELS[s.llama_config]
+    torch.manual_seed(0)
+    target = LanguageModel(config).to(device).eval()
+    drafts = {
+        "copy": copy_draft(target, width),
+        "first_layers": first_layers_draft(target, layers),
+    }
+    if not copies_its_input(drafts["copy"], device):
+        raise RuntimeError("the copy draft does not propose the token it read")
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (1, prompt_len), generator=gen).to(device)
+    fns = _fns(target, drafts, prompt, n, s.draft_k)
+    plain = fns[PLAIN]()
+    new = plain[0, prompt_len - 1 :]  # the prompt's last token, then the generated ones
+    repeat_rate = (new[1:] == new[:-1]).double().mean().item()
+    outs = {name: fns[name]() for name in drafts}
+    timed = interleaved(fns, s.llama_repeats, s.warmup_after_check(), device)
+    rows = []
+    for name, out in outs.items():
+        row = {
+            "draft": name,
+            "draft_is": DRAFTS[name].format(width=width, layers=layers, n_layers=config.n_layers),
+            "draft_weights": drafts[name].num_parameters(),
+            "k": s.draft_k,
+            "acceptance_rate": out.acceptance_rate,
+            "target_calls": out.target_calls,
+            "plain_ms": 1e3 * timed[PLAIN]["median_s"],
+            "speculative_ms": 1e3 * timed[name]["median_s"],
+            "plain_spread": timed[PLAIN]["spread"],
+            "speculative_spread": timed[name]["spread"],
+            "speedup": timed[PLAIN]["median_s"] / timed[name]["median_s"],
+            "same_tokens": bool(torch.equal(out.ids, plain)),
+        }
+        assert row["same_tokens"], f"speculative decoding with the {name} draft changed tokens"
+        rows.append(row)
+        print(
+            f"  {name:<12} draft ({row['draft_weights']:,} weights), k={s.draft_k}: accepted "
+            f"{row['acceptance_rate']:.0%}, {row['target_calls']} target calls for {n} tokens; "
+            f"{row['speculative_ms']:8.1f} ms vs plain {row['plain_ms']:8.1f} ms  speed-up "
+            f"{row['speedup']:.2f}  (tokens the same)",
+            flush=True,
+        )
+    print(f"  the target repeats its previous token in {repeat_rate:.0%} of its steps")
+    return {
+        "config": s.llama_config,
+        "target_weights": target.num_parameters(),
+        "batch": 1,
+        "prompt": prompt_len,
+        "new_tokens": n,
+        "target_repeat_rate": repeat_rate,
+        "rows": rows,
+    }
