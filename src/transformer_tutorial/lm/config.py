@@ -64,7 +64,7 @@ class LMConfig:
     the token embedding matrix; ``scale_embeddings`` multiplies embeddings by √D as the 2017
     paper does (GPT-2 does not). ``layer_norm_eps`` is every norm's epsilon (LayerNorm's or
     RMSNorm's). ``rope_base`` is the base of rotary positions' angles (``rope_theta`` in
-    ``transformers``); with ``positions="rope"`` only, ``lm.rope_scaling`` changes their
+    ``transformers``); with ``positions="rope"`` only, ``rope_scaling`` changes their
     frequencies (chapter 18's :class:`~transformer_tutorial.lm.rope_scaling.RopeScaling`, None:
     unchanged) and ``partial_rotary_factor`` rotates the first ``int(Dh · factor)``
     coordinates of each head (GPT-NeoX; 1: all).

@@ -8,7 +8,7 @@ ours (half-split), so every pair is a rename: :data:`LLAMA_NAMES`. Qwen3 adds th
 ``q_norm``/``k_norm`` weights, and its sliding window (all layers, ``max_window_layers=0``).
 Both directions read the one table; settings that are not weights must already agree, and a
 clear error names each that does not. Their ``rope_parameters`` map to ``rope_base`` and
-chapter 18's ``lm.rope_scaling`` (``"linear"``, ``"llama3"``, ``"yarn"``); neither model rotates
+chapter 18's ``rope_scaling`` (``"linear"``, ``"llama3"``, ``"yarn"``); neither model rotates
 part of a head (their default rope ignores ``partial_rotary_factor``, their scaled ones fail on
 it), so ours keeps ``partial_rotary_factor=1``.
 """
@@ -65,7 +65,7 @@ HFLlama = LlamaForCausalLM | Qwen3ForCausalLM
 
 
 def _rope_parameters(config: LMConfig) -> dict:
-    """Their ``rope_parameters`` for our ``rope_base`` and ``lm.rope_scaling``."""
+    """Their ``rope_parameters`` for our ``rope_base`` and ``rope_scaling``."""
     scaling = config.rope_scaling or RopeScaling()
     return scaling.to_parameters() | {"rope_theta": config.rope_base}
 
@@ -137,7 +137,7 @@ def qwen3_config(config: LMConfig) -> Qwen3Config:
 def lm_config_from_llama(config: LlamaConfig | Qwen3Config) -> LMConfig:
     """Our :class:`LMConfig` for a ``LlamaConfig`` or a ``Qwen3Config`` (``dropout``: its
     ``attention_dropout``; Llama has no other). Rope types ``"default"``, ``"linear"``,
-    ``"llama3"`` and ``"yarn"`` map to ``lm.rope_scaling``; others are refused, naming them."""
+    ``"llama3"`` and ``"yarn"`` map to ``rope_scaling``; others are refused, naming them."""
     qwen3 = isinstance(config, Qwen3Config)
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: ours maps only SwiGLU ('silu')")

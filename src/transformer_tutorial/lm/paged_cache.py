@@ -2,7 +2,7 @@
 
 Chapter 17's cache grows by concatenation, copying every held key at every step. A
 preallocated cache (:func:`preallocated_cache`) allocates each layer's buffers once for the
-longest sequence. A paged cache (:func:`lm.paged_cache`, vLLM's PagedAttention, Kwon et al. 2023)
+longest sequence. A paged cache (:func:`paged_cache`, vLLM's PagedAttention, Kwon et al. 2023)
 cuts one pool of memory per layer into blocks of ``block_size`` positions and gives each
 sequence a *block table*, the blocks it holds in order: a sequence takes blocks as it grows and
 gives them back when it ends, so sequences of any length share one pool.
