@@ -81,6 +81,8 @@ def test_a_kept_slice_owns_its_storage_and_rewinding_a_window_is_refused():
     cache.update(k, v, keep=3)
     assert cache.nbytes == 2 * B * HKV * 3 * DH * 4 and (cache.seen, cache.held) == (8, 3)
     raises(lambda: cache.rewind(1), ValueError, "dropped 5 older positions")
+    cache.rewind(0)  # nothing to forget: allowed
+    assert (cache.seen, cache.held, cache.batch_size) == (8, 3, B)
 
 
 def test_the_models_cache_counts_once_and_rewinds_every_layer():

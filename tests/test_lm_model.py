@@ -431,3 +431,34 @@ def test_the_tiled_backend_gives_the_models_numbers_and_gradients(changes):
         "dropout=0",
     )
     raises(lambda: tiny(attention_backend="flash"), ValueError, "attention_backend must be one of")
+
+
+def test_a_cache_that_does_not_fit_is_refused_before_any_layer_writes():
+    lm = model(**CHOICES["llama"]).eval()
+    cache = lm.new_cache(3, "preallocated")
+    with torch.no_grad():
+        raises(
+            lambda: lm.step(ids(shape=(1, 4)), cache), ValueError, "holds [3] rows and ids has 1"
+        )
+        assert [layer.seen for layer in cache.layers] == [0] * len(lm.layers)  # nothing written
+        lm.step(ids(shape=(3, 4)), cache)
+        deeper = LanguageModel(tiny(**CHOICES["llama"], n_layers=3))
+        raises(lambda: deeper.step(ids(shape=(3, 1)), cache), ValueError, "each of the model's 3")
+    raises(
+        lambda: lm.new_cache(1, "preallocated", max_len=T + 99), ValueError, "exceeds the model"
+    )
+
+
+def test_reset_parameters_restores_gains_and_the_rotary_tables_after_to_empty():
+    """The meta-device recipe (FSDP at scale): built without memory, then to_empty, then
+    reset_parameters: norms' gains 1 and rotary tables equal to a model built normally."""
+    config = tiny(**CHOICES["qwen3-window-3"])
+    with torch.device("meta"):
+        lazy = LanguageModel(config)
+    lazy.to_empty(device="cpu")
+    lazy.reset_parameters()
+    built = LanguageModel(config)
+    assert all(layer.norm1.weight.eq(1).all() for layer in lazy.layers)
+    assert all(layer.self_attn.q_norm.weight.eq(1).all() for layer in lazy.layers)
+    assert torch.equal(lazy.rotary.rotary.cos, built.rotary.rotary.cos)
+    assert torch.equal(lazy.rotary.rotary.sin, built.rotary.rotary.sin)

@@ -112,9 +112,15 @@ def test_bad_input_is_refused_by_name(call, error, phrase):
     raises(lambda: call(_model("llama")), error, phrase)
 
 
-def test_the_caches_need_grouped_attention():
+def test_the_paged_cache_needs_grouped_attention_without_a_window():
+    """A preallocated cache serves every attention (GPT-2's too); the paged one chapter 16's."""
     gpt2 = LanguageModel(LMConfig(vocab_size=20, d_model=16, n_heads=2, n_layers=1, max_len=8))
-    raises(lambda: preallocated_cache(gpt2, 1), ValueError, "attention='gqa'")
+    prompt = torch.tensor([[1, 2, 3]])
+    assert torch.equal(
+        greedy_with_cache(gpt2.eval(), prompt, 4, preallocated_cache(gpt2, 1)),
+        generate(gpt2, prompt, 4, greedy=True),
+    )
+    raises(lambda: paged_cache(gpt2, 1, n_blocks=2, block_size=4), ValueError, "attention='gqa'")
     raises(
         lambda: paged_cache(_model("llama", window=4), 1, n_blocks=2, block_size=4),
         ValueError,

@@ -213,6 +213,12 @@ def test_bad_settings_are_refused(settings, error, phrase):
         (lambda lm: generate(lm, torch.tensor([1, 2]), 5), ValueError, "prompt must be (B, T0)"),
         (lambda lm: generate(lm, torch.tensor([[1]]), -1), ValueError, "max_new_tokens must be"),
         (lambda lm: next_token(torch.zeros(2, 3, V)), ValueError, "logits must be (B, V)"),
+        (lambda lm: generate(lm, torch.tensor([[1]]), 3, eos_id=V), ValueError, "eos_id=17 is no"),
+        (
+            lambda lm: generate(lm, torch.tensor([[1]]), 3, cache_kind="paged"),
+            ValueError,
+            "kind must be one of",
+        ),
     ],
 )
 def test_bad_inputs_are_refused(call, error, phrase):

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from transformer_tutorial import distributed, sharding
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
+from transformer_tutorial.lm.sampling import generate
 
 WORLD, STEPS, SAVE_AT = 2, 4, 2
 CONFIG = LMConfig(
@@ -148,9 +149,9 @@ def test_fsdp2_on_two_gloo_ranks_resumes_after_a_rank_dies_to_one_process_weight
 
 
 def test_sharded_model_on_one_rank_gathers_in_every_layer(tmp_path):
-    """FSDP gathers a layer's weights in hooks around its ``__call__``: the model calls each
-    layer (not a method of it), so a sharded model (here on a world of one) runs and takes one
-    process's steps."""
+    """FSDP gathers a layer's weights in hooks around its ``__call__`` (the model calls each
+    layer) and the root's around ``forward``, ``step`` and ``forward_with_router_logits``: a
+    sharded model (here on a world of one) takes one process's steps and decodes alike."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)  # fmt: skip
     try:
@@ -162,5 +163,14 @@ def test_sharded_model_on_one_rank_gathers_in_every_layer(tmp_path):
         for name, weight in model.state_dict().items():
             local = sharded.state_dict()[name].to_local()
             torch.testing.assert_close(local, weight, rtol=0, atol=1e-12)
+        # the root's other ways in gather too: decoding, and the MoE router logits
+        prompt = _batches()[0][:1, :4]
+        with torch.no_grad():
+            assert torch.equal(
+                generate(sharded, prompt, 3, greedy=True), generate(model, prompt, 3, greedy=True)
+            )
+            logits, routers = sharded.forward_with_router_logits(prompt)
+        torch.testing.assert_close(logits, model(prompt), rtol=0, atol=1e-12)
+        assert routers == ()  # a dense model
     finally:
         dist.destroy_process_group()

@@ -27,7 +27,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
 from transformer_tutorial.checks import check_int
@@ -74,6 +78,9 @@ def shard_model(
     for layer in model.layers:
         fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # FSDP gathers the root's weights around ``forward`` only: the other ways in run there too.
+    for method in ("step", "forward_with_router_logits"):
+        register_fsdp_forward_method(model, method)
     return model
 
 

@@ -70,6 +70,11 @@ class SequenceBuffers:
         return cache
 
     @property
+    def batch_size(self) -> int | None:
+        """The rows the cache holds (None: an empty growing cache, which takes any)."""
+        return None if self.buffers is None else self.buffers[0].size(0)
+
+    @property
     def nbytes(self) -> int:
         """Bytes the cache keeps allocated: the storage under its tensors, not their views' sizes
         (a preallocated cache: all of its buffers)."""
@@ -81,7 +86,11 @@ class SequenceBuffers:
         """Add the new positions (``n`` along ``seq_dim`` in each tensor); return every held
         position's, new ones last. ``keep``: a later query needs only this many past positions
         (``window - 1``): a growing cache drops older ones, and a preallocated one, when full,
-        moves the last ``keep`` to the front of its buffers instead of failing."""
+        moves the last ``keep`` to the front of its buffers instead of failing (which needs
+        ``keep + n`` to fit its capacity).
+
+        A preallocated cache writes into its buffers in place: it is for decoding under
+        ``torch.no_grad()``; backpropagating through several steps needs a growing cache."""
         check_optional_int("keep", keep, at_least=0)
         d, n = self.seq_dim, new[0].size(self.seq_dim)
         if not self.preallocated:
@@ -116,7 +125,7 @@ class SequenceBuffers:
         decoding drops the draft's rejected tokens, chapter 23). A cache that has dropped older
         positions (a sliding window) refuses: the positions a later query needs are gone."""
         check_int("n", n, at_least=0)
-        if self.held < self.seen:
+        if n and self.held < self.seen:
             raise ValueError(
                 f"the cache has dropped {self.seen - self.held} older positions (a sliding "
                 f"window): rewinding would leave later queries without them; preallocate a "

@@ -86,7 +86,7 @@ class LMConfig:
     without positions plus ``qk_rope_head_dim`` rotary (``rope_interleave``: its pairs are
     interleaved, DeepSeek's checkpoints), values ``v_head_dim`` wide.
 
-    ``attention_backend`` (chapter 22, ``attention="gqa"`` without dropout): ``"sdpa"``
+    ``attention_backend`` (chapter 22, ``attention="gqa"``, no dropout, no window): ``"sdpa"``
     (PyTorch's fused kernels) or ``"tiled"`` (FlashAttention-2's tiled forward and backward,
     never building the score matrix; a teaching version, slower). Both give the same numbers.
     """
@@ -142,10 +142,12 @@ class LMConfig:
         check_choice("positions", self.positions, POSITIONS)
         check_choice("attention", self.attention, ATTENTIONS)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        if self.attention_backend == "tiled" and (self.attention != "gqa" or self.dropout):
+        tiled = self.attention_backend == "tiled"
+        if tiled and (self.attention != "gqa" or self.dropout or self.window is not None):
             raise ValueError(
                 "attention_backend='tiled' is chapter 22's attention for chapter 16's layout: "
-                f"set attention='gqa' and dropout=0 (got {self.attention!r}, {self.dropout})"
+                f"set attention='gqa', dropout=0 and window=None (got {self.attention!r}, "
+                f"{self.dropout}, {self.window})"
             )
         for name in ("norm_first", "bias", "tie_embeddings", "scale_embeddings", "qk_norm"):
             check_bool(name, getattr(self, name))

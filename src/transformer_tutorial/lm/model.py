@@ -52,7 +52,7 @@ class LanguageModel(nn.Module):
         self.positions = make_positions(c)
         # One rotary hook for the whole model (its cos/sin tables built once), handed to every
         # layer's attention; None when the positions are added to the embeddings.
-        self.rotary = make_rotary(c)
+        self.rotary = make_rotary(c, checked=False)  # positions counted on the host (_run)
         self.layers = nn.ModuleList(DecoderOnlyLayer(c, i, self.rotary) for i in range(c.n_layers))
         # In pre-norm the residual stream is never normalised inside the stack: one norm at the
         # end (GPT-2's ln_f). Post-norm layers already end with one.
@@ -83,6 +83,10 @@ class LanguageModel(nn.Module):
                 nn.init.normal_(p, std=0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+            else:  # a norm's gain (every other 1-D weight is one)
+                nn.init.ones_(p)
+        if self.rotary is not None:  # buffers, not weights: after to_empty they hold garbage
+            self.rotary.rotary.reset_tables()
         if self.config.scale_embeddings:
             nn.init.normal_(self.embed.weight, std=self.config.d_model**-0.5)
 
@@ -97,6 +101,11 @@ class LanguageModel(nn.Module):
         check_cache_kind(kind)
         check_int("batch_size", batch_size, at_least=1)
         check_optional_int("max_len", max_len, at_least=1)
+        if max_len is not None and max_len > self.config.max_len:
+            raise ValueError(
+                f"max_len={max_len} exceeds the model's max_len={self.config.max_len}: no step "
+                f"can reach those positions"
+            )
         if kind == "growing":
             return LMCache([layer.self_attn.empty_cache(batch_size) for layer in self.layers])
         weight = self.lm_head.weight
@@ -151,6 +160,8 @@ class LanguageModel(nn.Module):
         """The one path: logits ``(B, T_new, V)`` and the routers' logits of MoE layers."""
         start = 0 if cache is None else cache.length
         self._check_ids(ids, start, read_range=check_ids)
+        if cache is not None:
+            self._check_cache(cache, ids.size(0))
         position_ids = self._left_padding(padding_mask, ids, start)
         caches = (None,) * len(self.layers) if cache is None else cache.layers
         x = self.positions(self.embed(ids) * self.embed_scale, start)  # (B, T_new, D)
@@ -180,6 +191,20 @@ class LanguageModel(nn.Module):
         B, T_new = ids.shape
         check_padding_mask("padding_mask", padding_mask, "(B, cached + new)", (B, start + T_new))
         return ((~padding_mask).cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T_new)
+
+    def _check_cache(self, cache: LMCache, batch_size: int) -> None:
+        """Before any layer writes: one cache a layer, holding this batch's rows."""
+        if not isinstance(cache, LMCache) or len(cache.layers) != len(self.layers):
+            raise ValueError(
+                f"cache must be an LMCache with one cache for each of the model's "
+                f"{len(self.layers)} layers (model.new_cache), got {cache!r}"
+            )
+        rows = {layer.batch_size for layer in cache.layers} - {None}
+        if rows and rows != {batch_size}:
+            raise ValueError(
+                f"the cache holds {sorted(rows)} rows and ids has {batch_size}: a cache serves "
+                f"the batch it started with"
+            )
 
     def _check_ids(self, ids: Tensor, start: int, *, read_range: bool = True) -> None:
         if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:

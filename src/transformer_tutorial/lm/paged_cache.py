@@ -36,8 +36,7 @@ def preallocated_cache(
 ) -> LMCache:
     """An empty :class:`LMCache` whose layers' buffers hold ``max_len`` positions (default the
     model's), allocated now in the model's dtype and device: ``model.new_cache(batch_size,
-    "preallocated", max_len=max_len)``, for chapter 23's grouped attention."""
-    _check_grouped(model)
+    "preallocated", max_len=max_len)``."""
     return model.new_cache(batch_size, "preallocated", max_len=max_len)
 
 
@@ -97,6 +96,11 @@ class PagedKVCache:
     def seen(self) -> int:
         """The longest row's length: the next position of a row that has no padding."""
         return max(self.lengths)
+
+    @property
+    def batch_size(self) -> int:
+        """The rows: one a sequence."""
+        return len(self.seqs)
 
     @property
     def nbytes(self) -> int:

@@ -56,14 +56,14 @@ def make_feed_forward(config: LMConfig, layer: int = 0) -> FeedForward | SwiGLU 
     )
 
 
-def make_rotary(config: LMConfig, *, checked: bool = False) -> RotaryPositions | None:
+def make_rotary(config: LMConfig, *, checked: bool = True) -> RotaryPositions | None:
     """The model's one rotary position hook, handed to every layer's attention (chapter 15; its
     tables are built once, whatever the depth): with ``positions="rope"`` chapter 18's
     ``rope_scaling`` and ``partial_rotary_factor`` of the head width; with ``"mla"`` chapter
     21's ``qk_rope_head_dim`` part (interleaved pairs with ``rope_interleave``). None otherwise:
     the positions were added to the embeddings. ``checked=False`` (the model's): no read back
     from the device a layer, since the model counts positions on the host and refuses any past
-    ``max_len``."""
+    ``max_len`` (a layer called on its own keeps the check)."""
     if config.attention == "mla":
         return scaled_rotary(
             config.qk_rope_head_dim,
@@ -99,7 +99,7 @@ def make_attention(
     DeepSeek's. ``rotary``: the model's position hook (:func:`make_rotary`), shared by every
     layer; None builds one for this attention alone (checking the position ids it is given).
     """
-    rotary = make_rotary(config, checked=True) if rotary is None else rotary
+    rotary = make_rotary(config) if rotary is None else rotary
     if config.attention == "mha":
         return CausalMultiHeadAttention(
             config.d_model, config.n_heads, config.dropout, bias=config.bias

@@ -263,7 +263,8 @@ def scaled_rotary(
     if scaling is not None and scaling.rope_type in REFUSED:
         raise ValueError(REFUSED[scaling.rope_type])
     width = rotary_width(head_dim, partial_rotary_factor)
-    theta, attention_scaling = scaled_frequencies(width, base=base, scaling=scaling)
+    with torch.device("cpu"):  # values even when the model is built on the meta device
+        theta, attention_scaling = scaled_frequencies(width, base=base, scaling=scaling)
     return RotaryPositions(
         head_dim,
         max_len=max_len,

@@ -51,7 +51,10 @@ class RotaryEmbedding(nn.Module):
     """The cos and sin of every angle ``m · θ_i``, looked up at the given positions.
 
     The tables are computed once in float64 and kept as float32 non-persistent buffers: they
-    move with ``.to(device)``, are cast to the input's dtype, and stay out of checkpoints.
+    move with ``.to(device)``, are cast to the input's dtype, and stay out of checkpoints. Like
+    any buffer they also follow ``.to(dtype)``, ``.half()`` or ``.bfloat16()`` of the module
+    that holds them (rounding them, as in a model loaded in bfloat16): :meth:`reset_tables`
+    computes them again.
     Each pair's angle appears twice, ``cat(angles, angles)``, as in ``transformers``'
     ``LlamaRotaryEmbedding``; :func:`apply_rotary` rearranges them for the other layouts.
 
@@ -88,7 +91,8 @@ class RotaryEmbedding(nn.Module):
         check_int("max_len", max_len, at_least=1)
         check_number("attention_scaling", attention_scaling, low=0.0, low_open=True)
         if frequencies is None:
-            theta = rotary_frequencies(head_dim, base)  # (Dh/2,)
+            with torch.device("cpu"):  # even under a meta device: the tables' recipe is values
+                theta = rotary_frequencies(head_dim, base)  # (Dh/2,)
         else:
             check_int("head_dim", head_dim, at_least=2)
             if frequencies.dim() != 1 or not 1 <= len(frequencies) <= head_dim // 2:
@@ -99,12 +103,25 @@ class RotaryEmbedding(nn.Module):
             theta = frequencies.double()  # (Dr/2,)
         self.head_dim, self.max_len, self.base = head_dim, max_len, base
         self.attention_scaling, self.checked = attention_scaling, checked
-        position = torch.arange(max_len, dtype=torch.float64)
-        angles = torch.outer(position, theta)  # (max_len, Dr/2): m · θ_i
+        self.theta = theta  # float64, kept off the module's buffers: the tables' recipe
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[Tensor, Tensor]:
+        position = torch.arange(self.max_len, dtype=torch.float64, device=self.theta.device)
+        angles = torch.outer(position, self.theta)  # (max_len, Dr/2): m · θ_i
         angles = torch.cat([angles, angles], dim=-1)  # (max_len, Dr)
-        cos, sin = angles.cos() * attention_scaling, angles.sin() * attention_scaling
-        self.register_buffer("cos", cos.float(), persistent=False)
-        self.register_buffer("sin", sin.float(), persistent=False)
+        scale = self.attention_scaling
+        return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+
+    def reset_tables(self) -> None:
+        """Compute the tables again into the buffers, in their dtype and device: after
+        ``to_empty`` (a model built on the meta device), whose buffers hold garbage."""
+        cos, sin = self._tables()
+        with torch.no_grad():
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
 
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         if position_ids.dtype not in (torch.int64, torch.int32):

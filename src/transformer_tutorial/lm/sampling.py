@@ -155,7 +155,8 @@ def generate(
 
     Reads back from the device: the prompt's id range once, then one read a token with
     ``eos_id`` ("has every row finished?") and none without (without ``use_cache`` each
-    forward pass also checks the ids again: one more a token).
+    forward pass also checks the ids again: one more a token; a mixture-of-experts layer reads
+    its tokens per expert, chapter 20: one more a layer and token).
 
     Args:
         model: a :class:`LanguageModel`, put in ``eval()`` by the caller.
@@ -168,6 +169,11 @@ def generate(
     check_prompt(model, prompt, max_new_tokens)
     check_optional_int("eos_id", eos_id, at_least=0)
     check_optional_int("pad_id", pad_id, at_least=0)
+    if eos_id is not None and eos_id >= model.config.vocab_size:
+        raise ValueError(
+            f"eos_id={eos_id} is no token of the model's vocabulary (0 to "
+            f"{model.config.vocab_size - 1}): generation could never stop at it"
+        )
     check_sampling(temperature, top_k, top_p)
     total = prompt.size(1) + max_new_tokens
     fill = eos_id if pad_id is None else pad_id
