@@ -307,7 +307,8 @@ def test_peak_memory_sees_a_temporary_tensor_after_the_process_freed_larger_ones
     assert done.returncode == 0, done.stderr
     for line in done.stdout.splitlines():
         big, small = map(float, line.split())
-        assert 15 <= big <= 20 and small < 2, done.stdout
+        # 16 MiB seen; the first call may add a few MiB allocated once (5 measured on a Xeon)
+        assert 15 <= big <= 24 and small < 2, done.stdout
 
 
 def test_moe_pair_computes_the_same_and_its_check_sees_a_difference(bench):
