@@ -121,9 +121,6 @@ class MultiHeadAttention(nn.Module):
     kernel drops them either way.
     """
 
-    # What writes into the residual stream: a language model initialises it smaller.
-    residual_projections = ("out_proj.weight",)
-
     def __init__(
         self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True
     ) -> None:

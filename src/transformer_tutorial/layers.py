@@ -72,9 +72,6 @@ class FeedForward(nn.Module):
         ``(B, L, D)`` → ``(B, L, D)``, each position independently.
     """
 
-    # What writes into the residual stream: a language model initialises it smaller.
-    residual_projections = ("linear2.weight",)
-
     def __init__(
         self,
         d_model: int,

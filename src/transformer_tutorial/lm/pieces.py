@@ -51,9 +51,12 @@ def make_feed_forward(config: LMConfig, layer: int = 0) -> FeedForward | SwiGLU 
             norm_topk_prob=config.norm_topk_prob,
             dropout=config.dropout,
         )
-    return build_feed_forward(
+    ff = build_feed_forward(
         config.activation, config.d_model, config.d_ff, dropout=config.dropout, bias=config.bias
     )
+    if isinstance(ff, FeedForward):  # chapter 5's layer, which knows nothing of residual streams
+        ff.residual_projections = ("linear2.weight",)
+    return ff
 
 
 def make_rotary(config: LMConfig, *, checked: bool = True) -> RotaryPositions | None:
@@ -143,6 +146,9 @@ class CausalMultiHeadAttention(MultiHeadAttention):
         x ``(B, T_new, D)`` after the positions ``cache`` holds → ``(B, T_new, D)``;
         ``key_padding_mask`` ``(B, cached + T_new)``, True at padding.
     """
+
+    # What writes into the residual stream: the language model initialises it smaller.
+    residual_projections = ("out_proj.weight",)
 
     def forward(  # type: ignore[override]  (the language model's call, not chapter 4's)
         self,
