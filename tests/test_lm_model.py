@@ -444,6 +444,8 @@ def test_a_cache_that_does_not_fit_is_refused_before_any_layer_writes():
         lm.step(ids(shape=(3, 4)), cache)
         deeper = LanguageModel(tiny(**CHOICES["llama"], n_layers=3))
         raises(lambda: deeper.step(ids(shape=(3, 1)), cache), ValueError, "each of the model's 3")
+        latent = LanguageModel(tiny(**MLA))
+        raises(lambda: latent.step(ids(shape=(3, 1)), cache), ValueError, "keeps latents")
     raises(
         lambda: lm.new_cache(1, "preallocated", max_len=T + 99), ValueError, "exceeds the model"
     )

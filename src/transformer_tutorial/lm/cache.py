@@ -147,6 +147,7 @@ class GroupedKVCache(SequenceBuffers):
     """
 
     seq_dim = 2
+    holds = "keys and values"  # what an attention must ask for (its ``cache_holds``)
 
     @classmethod
     def preallocate(
@@ -190,6 +191,7 @@ class LatentKVCache(SequenceBuffers):
     shared key, ``(B, S, Dc + Dr)`` in one tensor; growing, or :meth:`preallocate`."""
 
     seq_dim = 1
+    holds = "latents"
 
     @classmethod
     def preallocate(

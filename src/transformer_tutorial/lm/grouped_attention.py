@@ -101,6 +101,7 @@ class GroupedQueryAttention(nn.Module):
     """
 
     # What writes into the residual stream: a language model initialises it smaller.
+    cache_holds = "keys and values"  # the cache it reads and writes (lm.cache)
     residual_projections = ("out_proj.weight",)
 
     def __init__(

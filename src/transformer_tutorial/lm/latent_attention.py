@@ -92,6 +92,7 @@ class MultiHeadLatentAttention(nn.Module):
     """
 
     # What writes into the residual stream: a language model initialises it smaller.
+    cache_holds = "latents"  # the cache it reads and writes (lm.cache)
     residual_projections = ("out_proj.weight",)
 
     def __init__(

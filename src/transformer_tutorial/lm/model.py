@@ -199,6 +199,13 @@ class LanguageModel(nn.Module):
                 f"cache must be an LMCache with one cache for each of the model's "
                 f"{len(self.layers)} layers (model.new_cache), got {cache!r}"
             )
+        for i, (layer, held) in enumerate(zip(self.layers, cache.layers, strict=True)):
+            wanted, holds = layer.self_attn.cache_holds, getattr(held, "holds", None)
+            if holds != wanted:
+                raise ValueError(
+                    f"layer {i}'s attention keeps {wanted}; its cache ({type(held).__name__}) "
+                    f"holds {holds}: make the cache with this model's new_cache"
+                )
         rows = {layer.batch_size for layer in cache.layers} - {None}
         if rows and rows != {batch_size}:
             raise ValueError(

@@ -79,6 +79,8 @@ class PagedKVCache:
     padding (:func:`continuous_greedy`).
     """
 
+    holds = "keys and values"
+
     def __init__(
         self,
         pool_k: Tensor,

@@ -149,6 +149,7 @@ class CausalMultiHeadAttention(MultiHeadAttention):
 
     # What writes into the residual stream: the language model initialises it smaller.
     residual_projections = ("out_proj.weight",)
+    cache_holds = "keys and values"  # the cache it reads and writes (lm.cache)
 
     def forward(  # type: ignore[override]  (the language model's call, not chapter 4's)
         self,
