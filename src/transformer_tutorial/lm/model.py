@@ -58,7 +58,7 @@ class LanguageModel(nn.Module):
         # end (GPT-2's ln_f). Post-norm layers already end with one.
         self.norm = make_norm(c) if c.norm_first else None
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
-        self.reset_parameters()
+        self._init_weights()  # the weights only: the rotary tables were just built
         if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -69,7 +69,14 @@ class LanguageModel(nn.Module):
         stream still grows through the stack, as chapter 14 measures). Each piece names its own
         (``residual_projections``: attention's ``out_proj``, the feed-forward's ``linear2`` or
         ``down_proj``, the experts' stacked ``down_proj``), so a new piece declares its own.
-        With ``scale_embeddings`` the table is N(0, 1/D), as in chapter 9."""
+        With ``scale_embeddings`` the table is N(0, 1/D), as in chapter 9. The rotary tables,
+        buffers rather than weights, are computed again too (after ``to_empty`` they hold
+        garbage)."""
+        self._init_weights()
+        if self.rotary is not None:
+            self.rotary.rotary.reset_tables()
+
+    def _init_weights(self) -> None:
         residual = {
             id(module.get_parameter(name))
             for module in self.modules()
@@ -85,8 +92,6 @@ class LanguageModel(nn.Module):
                 nn.init.zeros_(p)
             else:  # a norm's gain (every other 1-D weight is one)
                 nn.init.ones_(p)
-        if self.rotary is not None:  # buffers, not weights: after to_empty they hold garbage
-            self.rotary.rotary.reset_tables()
         if self.config.scale_embeddings:
             nn.init.normal_(self.embed.weight, std=self.config.d_model**-0.5)
 
