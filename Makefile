@@ -14,7 +14,9 @@ LINTED := src tests scripts bench
 # Two test processes, one torch thread each: the tests assert values, not speed, and their
 # models are tiny. `make unit` deals tests out one by one; `make pytest` keeps each file in one
 # process (measured: 165 s against 253 s for one by one with the browser check grouped).
-PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2
+# TEST_THREADS: torch threads per test process (`make portable` tries 2).
+TEST_THREADS ?= 1
+PYTEST := OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -n 2
 
 # $(call timed,COMMAND): run COMMAND, then say how long the target took and whether it passed.
 define timed
@@ -23,7 +25,8 @@ define timed
 	"in $$(( $$(date +%s) - start )) s"; exit $$status
 endef
 
-.PHONY: book test unit lint pytest chapters install execute clean bench check-device check-torch
+.PHONY: book test unit lint pytest chapters install execute clean bench check-device check-torch \
+	portable portable-unit
 
 book: $(VENV)/.installed
 	rm -rf _build
@@ -41,8 +44,11 @@ test: $(VENV)/.installed
 unit: | $(VENV)/.installed
 	$(call timed,$(PYTEST) --dist load -m "not slow and not website" tests)
 
+# ruff, and the chapters' stored outputs: no measured digits nbval would compare on another CPU,
+# no printed line wider than the website's column (scripts/check_outputs.py says why).
 lint: | $(VENV)/.installed
-	$(call timed,$(BIN)/ruff check $(LINTED) && $(BIN)/ruff format --check $(LINTED))
+	$(call timed,$(BIN)/ruff check $(LINTED) && $(BIN)/ruff format --check $(LINTED) \
+		&& $(BIN)/python scripts/check_outputs.py)
 
 # Every pytest test: unit, slow (training runs), website (needs the book built: `make book`).
 pytest: $(VENV)/.installed
@@ -51,6 +57,29 @@ pytest: $(VENV)/.installed
 # Each chapter copied alone into an empty folder and run under nbval against the wheel.
 chapters: $(VENV)/.installed
 	$(call timed,$(BIN)/python scripts/run_tests.py)
+
+# Portability: another CPU adds in another order (MKL and oneDNN pick their kernels by CPU; a
+# thread count splits every sum differently), and nbval compares stored outputs. Each setting
+# below runs here what another machine would run (settings' variables joined by +):
+#   MKL_CBWR=COMPATIBLE                      MKL's plainest path, the one most unlike this CPU's
+#   MKL_CBWR=AVX2+ONEDNN_MAX_CPU_ISA=AVX2   a machine without AVX-512
+#   OMP_NUM_THREADS=1+TEST_THREADS=2         chapters 10-11 on one thread, the tests on two
+# `make portable` (unit tests and every chapter under each, ~25 min on 2 cores) before every
+# stop; `make portable-unit` (the unit tests only, ~4 min) is part of `make test`.
+PORTABLE_SETTINGS := MKL_CBWR=COMPATIBLE MKL_CBWR=AVX2+ONEDNN_MAX_CPU_ISA=AVX2 \
+	OMP_NUM_THREADS=1+TEST_THREADS=2
+# $(call each_setting,TARGETS): make TARGETS under every setting; fails if any failed.
+define each_setting
+(status=0; for setting in $(PORTABLE_SETTINGS); do echo "===== under $$setting"; \
+	env $$(echo $$setting | tr + ' ') $(MAKE) --no-print-directory -k $(1) || status=1; \
+	done; exit $$status)
+endef
+
+portable: | $(VENV)/.installed
+	$(call timed,$(call each_setting,unit chapters))
+
+portable-unit: | $(VENV)/.installed
+	$(call timed,$(call each_setting,unit))
 
 # Speed against nn.Transformer, decoding, attention: one process, 2 CPU threads, <= 10 min on a
 # CPU; writes bench/results/<device>-<torch>.json and .png.
