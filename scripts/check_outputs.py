@@ -34,7 +34,8 @@ SMALL = 1e-4
 IGNORE = "# NBVAL_IGNORE_OUTPUT"
 # A number in scientific notation, or a decimal with at least four zeros after the point.
 NUMBER = re.compile(r"(?<![\w.])(?:(\d+(?:\.\d+)?)[eE]([-+]?\d+)|0\.0{4,}\d+)(?![\w.])")
-LITERAL = re.compile(r"(?<![\w.])\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|(?<![\w.])\d*\.\d+(?:[eE][-+]?\d+)?")
+# A number literal in a cell's source: 2e-6, 1.5, .5, 3.
+LITERAL = re.compile(r"(?<![\w.])(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 # torch.finfo's eps, tiny (smallest normal) and smallest subnormal of float64, float32,
 # bfloat16 and float16: printed constants of the formats, not measurements.
 FORMAT_CONSTANTS = [2.0**-52, 2.0**-1022, 2.0**-23, 2.0**-126, 2.0**-149, 2.0**-7, 2.0**-10]
