@@ -34,10 +34,11 @@ book: $(VENV)/.installed
 	@echo "The website is at _build/html/index.html"
 
 # Everything CI checks, in the order a reader's trust needs it: the website builds with warnings
-# as errors, lint, every pytest test (unit, slow, website in a browser), then every chapter run
-# alone from the installed wheel. -k: every part runs even when an earlier one fails.
+# as errors, lint, every pytest test (unit, slow, website in a browser), the unit tests again in
+# other CPUs' float orders, then every chapter run alone from the installed wheel. -k: every
+# part runs even when an earlier one fails.
 test: $(VENV)/.installed
-	$(MAKE) -k book lint pytest chapters
+	$(MAKE) -k book lint pytest portable-unit chapters
 
 # The package's unit tests without the training runs and the browser: under a minute.
 # (Order-only prerequisite: an existing .venv is used as it is, never reinstalled here.)
@@ -64,8 +65,9 @@ chapters: $(VENV)/.installed
 #   MKL_CBWR=COMPATIBLE                      MKL's plainest path, the one most unlike this CPU's
 #   MKL_CBWR=AVX2+ONEDNN_MAX_CPU_ISA=AVX2   a machine without AVX-512
 #   OMP_NUM_THREADS=1+TEST_THREADS=2         chapters 10-11 on one thread, the tests on two
-# `make portable` (unit tests and every chapter under each, ~25 min on 2 cores) before every
-# stop; `make portable-unit` (the unit tests only, ~4 min) is part of `make test`.
+# `make portable` (the unit tests and every chapter under each, ~20 min on 2 cores) before every
+# commit that changes a stored output; `make portable-unit` (the unit tests only, 45 s each) is
+# part of `make test`.
 PORTABLE_SETTINGS := MKL_CBWR=COMPATIBLE MKL_CBWR=AVX2+ONEDNN_MAX_CPU_ISA=AVX2 \
 	OMP_NUM_THREADS=1+TEST_THREADS=2
 # $(call each_setting,TARGETS): make TARGETS under every setting; fails if any failed.

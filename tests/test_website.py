@@ -204,8 +204,10 @@ async () => {
       tex: el.textContent.slice(0, 80), typeset: el.querySelector("mjx-container") !== null,
     })),
     mathContainers: document.querySelectorAll("mjx-container").length,
-    // Code cells whose source is wider than the column: the reader would scroll sideways.
-    wideCode: Array.from(document.querySelectorAll("div.cell div.cell_input pre"))
+    // Code cells whose source or printed output is wider than the column: the reader would
+    // scroll sideways and miss the ends of the lines.
+    wideCode: Array.from(document.querySelectorAll(
+        "div.cell div.cell_input pre, div.cell div.cell_output pre"))
       .filter((pre) => pre.scrollWidth > pre.clientWidth + 1)
       .map((pre) => pre.textContent.split("\n").reduce((a, b) => (b.length > a.length ? b : a), "")),
     // TeX that MathJax could not read: an error node, or an undefined macro (shown as red text).
@@ -402,11 +404,11 @@ def test_figures_are_not_shrunk_out_of_legibility(visits, page):
 
 
 @pytest.mark.parametrize("page", CHAPTERS, ids=_ids)
-def test_code_cells_fit_the_column(visits, page):
+def test_code_cells_and_their_outputs_fit_the_column(visits, page):
     wide = visits[page].light["wideCode"]
     assert not wide, (
-        f"code cells wider than the column in a {VIEWPORT['width']}px window (keep lines to 99 "
-        f"characters); their longest lines: {wide}"
+        f"code or printed output wider than the column in a {VIEWPORT['width']}px window (keep "
+        f"lines to 99 characters; scripts/check_outputs.py finds printed ones): {wide}"
     )
 
 
