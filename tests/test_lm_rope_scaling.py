@@ -44,7 +44,13 @@ SCALINGS = [
             high_freq_factor=hi,
             original_max_position_embeddings=L,
         )
-        for f, lo, hi, L in [(8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (4.0, 2.0, 8.0, 64)]
+        for f, lo, hi, L in [
+            (8.0, 1.0, 4.0, 8192),
+            (32.0, 1.0, 4.0, 8192),
+            (4.0, 2.0, 8.0, 64),
+            (16.0, 1.0, 1.0, 8192),  # Llama 4 Scout's: equal factors, a step at L
+            (4.0, 2.0, 2.0, 64),
+        ]
     ),
     *(
         dict(rope_type="yarn", factor=f, original_max_position_embeddings=L, **extra)
@@ -135,6 +141,25 @@ def test_llama3_keeps_the_high_frequencies_and_divides_the_low_ones():
     assert torch.allclose(ratio[wavelength > 8192], torch.tensor(1 / 8, dtype=torch.float64))
     middle = ratio[(wavelength >= 2048) & (wavelength <= 8192)]
     assert middle.numel() > 0 and torch.all((middle > 1 / 8) & (middle < 1))
+
+
+def test_llama3_with_equal_band_edges_is_a_step_at_the_trained_length():
+    """Llama 4's ``low_freq_factor == high_freq_factor == 1``: no band is blended (theirs would
+    divide by zero there); wavelengths up to L kept, longer ones divided by ``factor``."""
+    scaling = RopeScaling(
+        "llama3",
+        factor=16.0,
+        low_freq_factor=1.0,
+        high_freq_factor=1.0,
+        original_max_position_embeddings=8192,
+    )
+    unscaled = scaled_frequencies(128, base=500000.0)[0]
+    ratio = scaled_frequencies(128, base=500000.0, scaling=scaling)[0] / unscaled
+    wavelength = 2 * math.pi / unscaled
+    assert torch.all(ratio[wavelength < 8192] == 1.0)
+    assert torch.all(ratio[wavelength > 8192] == 1 / 16)  # exact: θ / 16 is a power of two
+    assert (wavelength < 8192).sum() > 0 and (wavelength > 8192).sum() > 0
+    assert torch.all(ratio.isfinite())
 
 
 @pytest.mark.parametrize("partial", [1.0, 0.5, 0.25])
@@ -253,7 +278,7 @@ def test_parameters_map_both_ways():
                 high_freq_factor=1.0,
             ),
             ValueError,
-            "high_freq_factor=1.0 must exceed low_freq_factor=4.0",
+            "high_freq_factor=1.0 must be at least low_freq_factor=4.0",
         ),
         (
             lambda: RopeScaling("llama3", factor=8.0, original_max_position_embeddings=8192),

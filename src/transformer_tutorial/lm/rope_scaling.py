@@ -9,7 +9,8 @@ remedy keeps the positions and changes the frequencies ``θ_i`` (chapter 15's
 - ``"dynamic"``: NTK-aware scaling in its dynamic form, a larger base chosen from the current
   sequence length. Its frequencies are here; the model refuses it (:data:`REFUSED`).
 - ``"llama3"``: Llama 3.1's bands: wavelengths shorter than ``L / high_freq_factor`` kept,
-  longer than ``L / low_freq_factor`` divided by ``factor``, a smooth blend between.
+  longer than ``L / low_freq_factor`` divided by ``factor``, a smooth blend between (none when
+  the two factors are equal, as in Llama 4's configs: a step).
 - ``"yarn"``: YaRN (Peng et al. 2023): a ramp between kept and interpolated frequencies by
   their rotations over ``L`` (``beta_fast``, ``beta_slow``), and an attention factor that
   multiplies cos and sin (``0.1 ln(factor) + 1`` unless given).
@@ -71,7 +72,8 @@ class RopeScaling:
         factor: how many times longer than trained (≥ 1, as ``transformers`` asks).
         original_max_position_embeddings: ``L``, the length trained at (for ``"dynamic"``:
             ``transformers``' ``max_position_embeddings``, where the scaling starts).
-        low_freq_factor, high_freq_factor: ``"llama3"``'s band edges, ``L / wavelength``.
+        low_freq_factor, high_freq_factor: ``"llama3"``'s band edges, ``L / wavelength``;
+            equal: a step, no blended band.
         beta_fast, beta_slow: ``"yarn"``'s ramp edges, in rotations over ``L``.
         attention_factor: ``"yarn"``'s multiplier of cos and sin; None: from ``factor`` (with
             ``mscale`` and ``mscale_all_dim`` when both are given, as DeepSeek's configs do).
@@ -113,10 +115,11 @@ class RopeScaling:
         if self.rope_type == "llama3":
             check_number("low_freq_factor", self.low_freq_factor, low=0.0, low_open=True)
             check_number("high_freq_factor", self.high_freq_factor, low=0.0, low_open=True)
-            if self.high_freq_factor <= self.low_freq_factor:
+            if self.high_freq_factor < self.low_freq_factor:
                 raise ValueError(
-                    f"high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
-                    f"{self.low_freq_factor}: the band kept lies above the band interpolated"
+                    f"high_freq_factor={self.high_freq_factor} must be at least low_freq_factor="
+                    f"{self.low_freq_factor}: the band kept lies above the band interpolated "
+                    "(equal: a step at L / low_freq_factor, as Llama 4's)"
                 )
         for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
             if getattr(self, name) is not None:
@@ -227,7 +230,10 @@ def scaled_frequencies(
         # < low_freq_factor: divided by factor, in between: blended linearly in the turns.
         turns = L / wavelength
         low, high = scaling.low_freq_factor, scaling.high_freq_factor
-        keep = ((turns - low) / (high - low)).clamp(0, 1)  # 1: kept, 0: divided by s
+        if high == low:  # Llama 4's step: kept above `low` turns, divided at or below
+            keep = (turns > low).double()  # (a blend would divide 0 by 0 at turns == low)
+        else:
+            keep = ((turns - low) / (high - low)).clamp(0, 1)  # 1: kept, 0: divided by s
         return theta * keep + theta / s * (1 - keep), 1.0
     ramp = yarn_ramp(scaling, rotary_dim, base)  # 1: interpolated, 0: kept
     return theta / s * ramp + theta * (1 - ramp), yarn_attention_factor(scaling)
