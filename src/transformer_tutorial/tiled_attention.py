@@ -3,7 +3,9 @@
 The online softmax (:func:`online_softmax`), the tiled forward and backward passes of
 FlashAttention-2 (Dao 2023, Algorithms 1 and 2) as a ``torch.autograd.Function``
 (:func:`tiled_attention`), and :class:`PeakStorage`, which measures the peak bytes of the
-storages an operation allocates. A teaching implementation: exact, not fast.
+storages an operation allocates. A teaching implementation: exact, not fast. In bf16 and fp16,
+as in FlashAttention, the scores, the running statistics and every sum (the output's and the
+gradients') are float32; only what is returned is rounded to the inputs' dtype.
 
 Shapes: queries ``(B, H, L, Dh)``, keys and values ``(B, H_kv, S, Dh)`` with ``H`` a multiple of
 ``H_kv`` (grouped heads); inside, queries ``(B, H_kv, G, L, Dh)`` with ``G = H // H_kv``, so
@@ -59,22 +61,33 @@ def _tiles(n: int, size: int) -> list[range]:
     return [range(start, min(start + size, n)) for start in range(0, n, size)]
 
 
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the statistics and sums: float32 for bf16/fp16 inputs, as FlashAttention
+    keeps them (an 8- or 11-bit running sum of thousands of terms loses its small ones, and an
+    fp16 score ``q·k`` overflows at 65,504 before the scale); float32 and float64 as they are."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _forward(q, k, v, pad, is_causal, scale, block_q, block_k):
     """Algorithm 1. ``q`` ``(B, H_kv, G, L, Dh)``, ``k``, ``v`` ``(B, H_kv, 1, S, Dh)``.
-    Returns the output like ``q`` and the log-sum-exp ``(B, H_kv, G, L)`` (−inf on a row whose
-    every key is blocked, whose output is zero)."""
+    Returns the output like ``q`` and the log-sum-exp ``(B, H_kv, G, L)`` in the accumulator's
+    dtype (−inf on a row whose every key is blocked, whose output is zero). Each tile is read
+    in that dtype, so scores, ``m``, ``l`` and the output's sum never round to the input's."""
     L, S = q.size(-2), k.size(-2)
+    acc = _accumulator(q.dtype)
     out = torch.zeros_like(q)
-    lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
     for rows in _tiles(L, block_q):
-        q_i = q[..., rows.start : rows.stop, :]
-        m = torch.full(q_i.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        q_i = q[..., rows.start : rows.stop, :].to(acc)
+        m = torch.full(q_i.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         l = torch.zeros_like(m)  # noqa: E741
         o = torch.zeros_like(q_i)
         for cols in _tiles(S, block_k):
             if is_causal and cols.start > rows.stop - 1 + (S - L):
                 break  # this tile and the rest lie above the diagonal
-            s = q_i @ k[..., cols.start : cols.stop, :].transpose(-2, -1) * scale
+            k_j = k[..., cols.start : cols.stop, :].to(acc)
+            v_j = v[..., cols.start : cols.stop, :].to(acc)
+            s = q_i @ k_j.transpose(-2, -1) * scale
             blocked = _blocked(
                 rows, cols, offset=S - L, is_causal=is_causal, pad=pad, device=q.device
             )
@@ -85,7 +98,7 @@ def _forward(q, k, v, pad, is_causal, scale, block_q, block_k):
             p = torch.exp(s - m_safe[..., None])
             alpha = torch.exp(m - m_safe)
             l = alpha * l + p.sum(-1)  # noqa: E741
-            o = alpha[..., None] * o + p @ v[..., cols.start : cols.stop, :]
+            o = alpha[..., None] * o + p @ v_j
             m = m_new
         empty = l == 0
         out[..., rows.start : rows.stop, :] = o / l.masked_fill(empty, 1.0)[..., None]
@@ -94,17 +107,22 @@ def _forward(q, k, v, pad, is_causal, scale, block_q, block_k):
 
 
 def _backward(q, k, v, out, lse, d_out, pad, is_causal, scale, block_q, block_k):
-    """Algorithm 2: each tile's probabilities recomputed from the saved log-sum-exp."""
+    """Algorithm 2: each tile's probabilities recomputed from the saved log-sum-exp. The
+    gradients are summed in the accumulator's dtype and returned in the inputs' dtypes."""
     L, S = q.size(-2), k.size(-2)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    delta = (d_out * out).sum(-1)  # (B, H_kv, G, L): rowsum(dO ∘ O)
+    acc = _accumulator(q.dtype)
+    dq = torch.zeros_like(q, dtype=acc)
+    dk, dv = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+    delta = (d_out.to(acc) * out.to(acc)).sum(-1)  # (B, H_kv, G, L): rowsum(dO ∘ O)
     lse_safe = lse.masked_fill(lse == float("-inf"), 0.0)
     for cols in _tiles(S, block_k):
-        k_j, v_j = k[..., cols.start : cols.stop, :], v[..., cols.start : cols.stop, :]
+        k_j = k[..., cols.start : cols.stop, :].to(acc)
+        v_j = v[..., cols.start : cols.stop, :].to(acc)
         for rows in _tiles(L, block_q):
             if is_causal and cols.start > rows.stop - 1 + (S - L):
                 continue
-            q_i, do_i = q[..., rows.start : rows.stop, :], d_out[..., rows.start : rows.stop, :]
+            q_i = q[..., rows.start : rows.stop, :].to(acc)
+            do_i = d_out[..., rows.start : rows.stop, :].to(acc)
             s = q_i @ k_j.transpose(-2, -1) * scale
             blocked = _blocked(
                 rows, cols, offset=S - L, is_causal=is_causal, pad=pad, device=q.device
@@ -117,7 +135,7 @@ def _backward(q, k, v, out, lse, d_out, pad, is_causal, scale, block_q, block_k)
             ds = p * (dp - delta[..., rows.start : rows.stop, None])
             dq[..., rows.start : rows.stop, :] += ds @ k_j * scale
             dk[..., cols.start : cols.stop, :] += (ds.transpose(-2, -1) @ q_i).sum(2, True) * scale
-    return dq, dk, dv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -158,8 +176,9 @@ def tiled_attention(
         block_q, block_k: the tile's rows (queries) and columns (keys), at least 1.
 
     Returns:
-        ``(B, H, L, Dh)``. A query whose every key is blocked gets a zero output and zero
-        gradients, as chapter 3's attention, never NaN.
+        ``(B, H, L, Dh)`` in ``q``'s dtype (bf16 and fp16 are summed in float32). A query
+        whose every key is blocked gets a zero output and zero gradients, as chapter 3's
+        attention, never NaN.
     """
     check_int("block_q", block_q, at_least=1)
     check_int("block_k", block_k, at_least=1)
