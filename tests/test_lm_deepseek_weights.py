@@ -12,7 +12,7 @@ import torch
 from transformers import DeepseekV3ForCausalLM
 
 from helpers import raises, randomized
-from test_lm_latent_attention import CONFIGS, T, config, left_padded
+from test_lm_latent_attention import CONFIGS, T, config, count_forms, left_padded
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.deepseek_weights import (
     copy_from_deepseek_v3,
@@ -85,7 +85,8 @@ def test_greedy_generation_with_our_cache_equals_their_generate(name):
     assert torch.equal(generate(ours, prompt, T - 8, greedy=True), expected)
 
 
-def test_left_padded_cached_greedy_equals_their_generate():
+def test_left_padded_cached_greedy_equals_their_generate(monkeypatch):
+    """Our steps after the prompt in the absorbed form (test_latent_attention)."""
     ours_config = config()
     ref = theirs(ours_config, seed=5)
     ours = LanguageModel(ours_config).eval()
@@ -101,6 +102,7 @@ def test_left_padded_cached_greedy_equals_their_generate():
         eos_token_id=None,
     )
     tokens, cache, new = prompt, None, prompt
+    forms = count_forms(monkeypatch)
     with torch.no_grad():
         while tokens.size(1) < T:
             logits, cache = ours.step(new, cache, padding_mask=padding)
@@ -108,6 +110,8 @@ def test_left_padded_cached_greedy_equals_their_generate():
             tokens = torch.cat([tokens, new], dim=1)
             padding = torch.cat([padding, torch.zeros_like(new, dtype=torch.bool)], dim=1)
     assert torch.equal(tokens, expected)
+    steps = [form for form, _, _ in forms]  # the prompt, then T - 13 tokens: one a step
+    assert steps == ["unabsorbed"] * 3 + ["absorbed"] * 3 * (T - 13)  # 3 layers
 
 
 def test_their_configs_we_cannot_map_are_refused_by_name():

@@ -2,8 +2,11 @@
 ``DeepseekV3Attention`` (float32, 1e-5: theirs normalises in float32 whatever the dtype) with
 q_lora_rank set and unset, both rotary layouts, YaRN with DeepSeek's mscale, over 3x YaRN's
 original length; the absorbed decoding form equals the unabsorbed one in float64 (1e-12), read
-whole and step by step with left padding; the cache holds only the latent and the rotary key.
-The configs are shared with test_deepseek_weights (the whole model)."""
+whole and step by step with left padding; the model decodes in the absorbed form and reads its
+prompt unabsorbed (generate() and step, growing and preallocated caches, rewind), its stepped
+logits equal to the whole sequence's in float64 (1e-10) and its greedy tokens to the unabsorbed
+decoding's; the cache holds only the latent and the rotary key. The configs are shared with
+test_deepseek_weights (the whole model)."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from transformer_tutorial.lm.latent_attention import (
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.pieces import make_attention
 from transformer_tutorial.lm.rope_scaling import RopeScaling
+from transformer_tutorial.lm.sampling import generate
 
 B, T = 3, 24
 ATOL = RTOL = 1e-5
@@ -168,6 +172,108 @@ def test_absorbed_equals_unabsorbed_in_float64(q_lora_rank):
     assert torch.equal(plain.latent, absorbed.latent)
 
 
+def count_forms(monkeypatch) -> list[tuple[str, int, int]]:
+    """From now on, every call of either form, in order: ``(form, L, S)``, L queries over S
+    held positions (each layer's call one entry)."""
+    calls = []
+    for form, method in (("unabsorbed", "_attend"), ("absorbed", "_attend_absorbed")):
+        attend = getattr(MultiHeadLatentAttention, method)
+
+        def spy(self, q_nope, q_rope, held, *args, form=form, attend=attend):
+            calls.append((form, q_nope.size(2), held.size(1)))
+            return attend(self, q_nope, q_rope, held, *args)
+
+        monkeypatch.setattr(MultiHeadLatentAttention, method, spy)
+    return calls
+
+
+def test_the_cheaper_form_is_absorbed_after_a_cache_for_few_new_positions():
+    """At DeepSeek-V3's widths (Dc 512, Dn 128, Dr 64, Dv 128) the absorbed form costs fewer
+    multiply-adds for at most 170 new positions after a long cache; never without one."""
+    mla = MultiHeadLatentAttention(
+        32, 1, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+    )
+    assert mla.absorbs(1, 1) and mla.absorbs(4, 5) and mla.absorbs(170, 10**6)
+    assert not mla.absorbs(171, 10**6) and not mla.absorbs(256, 1024)
+    assert not any(mla.absorbs(n, 0) for n in (1, 8, 4096))  # the prompt, training
+    # a latent narrower than half a head's key and value: absorbed whenever a cache is there
+    narrow = MultiHeadLatentAttention(
+        32, 1, kv_lora_rank=4, qk_nope_head_dim=8, qk_rope_head_dim=2, v_head_dim=8
+    )
+    assert narrow.absorbs(4096, 1) and not narrow.absorbs(4096, 0)
+    mla.absorbed = False
+    assert not mla.absorbs(1, 1000)
+
+
+def test_generate_reads_the_prompt_unabsorbed_and_decodes_every_step_absorbed(monkeypatch):
+    """3 layers: the prompt of 8 unabsorbed, then each of the 15 steps after it (the 16th
+    token needs none) absorbed, with a growing or a preallocated cache."""
+    model = randomized(LanguageModel(config()), 5)
+    prompt = left_padded(5)[0][:, :8]
+    steps = [("absorbed", 1, held) for held in range(9, T) for _ in range(3)]
+    forms = count_forms(monkeypatch)
+    for kind in ("growing", "preallocated"):
+        forms.clear()
+        generate(model, prompt, T - 8, greedy=True, cache_kind=kind)
+        assert forms == [("unabsorbed", 8, 8)] * 3 + steps
+
+
+STEPPED = {  # name: changes to config(): heads, rotary widths, queries, widths of the latent
+    "4 heads, Dr 6, queries through a latent": {},
+    "2 heads, Dr 2, queries direct": dict(n_heads=2, qk_rope_head_dim=2, q_lora_rank=None),
+    "8 heads, Dr 8, half-split, YaRN": dict(
+        n_heads=8, qk_rope_head_dim=8, rope_interleave=False, rope_scaling=YARN
+    ),
+    "1 head, Dc 6 < (Dn + Dv) / 2": dict(n_heads=1, kv_lora_rank=6, q_lora_rank=None),
+}
+
+
+@pytest.mark.parametrize("kind", ["growing", "preallocated"])
+@pytest.mark.parametrize("name", STEPPED)
+def test_stepped_logits_in_the_absorbed_form_equal_the_whole_sequence_in_float64(
+    monkeypatch, name, kind
+):
+    """A batch left-padded by 9, 3 and 0 (positions 0-8 of row 0 padding), in float64: a prompt
+    of 5 (unabsorbed), then 1, 3 and 1 new positions, 2 rewound and 4 read again, then one at a
+    time to T (absorbed), within 1e-10 of the whole sequence's logits at every real position."""
+    model = randomized(LanguageModel(config(**STEPPED[name])), 6).double()
+    ids, padding = left_padded(6)
+    cache = model.new_cache(B, kind)
+    chunks = [(0, 5), (5, 6), (6, 9), (9, 10), (8, 12), *((t, t + 1) for t in range(12, T))]
+    logits = {}
+    with torch.no_grad():
+        whole = model(ids, padding_mask=padding)  # no cache: unabsorbed
+        forms = count_forms(monkeypatch)
+        for start, stop in chunks:
+            if start < cache.length:
+                cache.rewind(cache.length - start)
+            step, _ = model.step(ids[:, start:stop], cache, padding_mask=padding[:, :stop])
+            logits.update({t: step[:, t - start] for t in range(start, stop)})
+    stepped = torch.stack([logits[t] for t in range(T)], dim=1)  # (B, T, V)
+    real = ~padding
+    assert whole[real].abs().max() > 1.0
+    torch.testing.assert_close(stepped[real], whole[real], atol=1e-10, rtol=1e-10)
+    assert forms[:3] == [("unabsorbed", 5, 5)] * 3
+    assert {form for form, _, _ in forms[3:]} == {"absorbed"}
+    assert len(forms) == 3 * len(chunks) and cache.length == T
+
+
+def test_greedy_tokens_equal_the_unabsorbed_decodings(monkeypatch):
+    """float32, as decoding runs: 16 tokens after a prompt of 8, in the cheaper forms and with
+    every layer told to stay unabsorbed."""
+    model = randomized(LanguageModel(config(q_lora_rank=None)), 7)
+    prompt = left_padded(7)[0][:, :8]
+    forms = count_forms(monkeypatch)
+    tokens = generate(model, prompt, T - 8, greedy=True)
+    assert sum(form == "absorbed" for form, _, _ in forms) == 3 * 15
+    for layer in model.layers:
+        layer.self_attn.absorbed = False
+    forms.clear()
+    unabsorbed = generate(model, prompt, T - 8, greedy=True)
+    assert {form for form, _, _ in forms} == {"unabsorbed"}
+    assert torch.equal(tokens, unabsorbed)
+
+
 def test_the_cache_holds_one_latent_and_one_rotary_key_per_position():
     mla, cache = mla64(), LatentKVCache()
     x = torch.randn(2, 7, 32, dtype=torch.float64)
@@ -231,6 +337,11 @@ def test_bad_arguments_of_the_layer_are_refused_by_name():
         raises(
             lambda c=changes: MultiHeadLatentAttention(32, 4, **(sizes | c)), ValueError, phrase
         )
+    raises(
+        lambda: MultiHeadLatentAttention(32, 4, **sizes, absorbed=1),
+        TypeError,
+        "absorbed must be True or False",
+    )
     mla = MultiHeadLatentAttention(32, 4, **sizes)
     raises(lambda: mla(torch.zeros(2, 3, 31)), ValueError, "x must be (B, L, D=32)")
     padding = torch.zeros(2, 4, dtype=torch.bool)  # one position too many

@@ -8,7 +8,9 @@ RoPE"). A cache then holds ``Dc + Dr`` numbers per position and layer, whatever 
 
 Decoding can skip the up-projection of the cached latents: the key's is folded into the query,
 the value's applied after attention (:meth:`MultiHeadLatentAttention.forward` with
-``absorbed=True``): attention becomes multi-query attention over the latents.
+``absorbed=True``): attention becomes multi-query attention over the latents. Unless told, each
+call takes the cheaper form (:meth:`MultiHeadLatentAttention.absorbs`): a decoding step after a
+cache the absorbed one, the prompt and training the unabsorbed one.
 
 Shapes: input ``(B, L, D)``; queries ``(B, H, L, Dn + Dr)``; latents ``(B, S, Dc)``; the
 shared rotary key ``(B, 1, S, Dr)``; values ``(B, H, S, Dv)``. Masks are bool, True = blocked.
@@ -22,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_tutorial.checks import check_int, check_number, check_optional_int
+from transformer_tutorial.checks import (
+    check_bool,
+    check_int,
+    check_number,
+    check_optional_int,
+)
 from transformer_tutorial.lm.cache import LatentKVCache
 from transformer_tutorial.lm.grouped_attention import PositionHook
 from transformer_tutorial.lm.rope_scaling import RopeScaling
@@ -85,6 +92,30 @@ class MultiHeadLatentAttention(nn.Module):
         softmax_scale: the factor of the scores (default ``1/√(Dn + Dr)``; see
             :func:`mla_softmax_scale`).
         dropout: dropout on the attention weights while training.
+        absorbed: the form of every call, absorbed (True) or unabsorbed (False), as for a
+            measurement; None (the default): each call's cheaper form (:meth:`absorbs`).
+
+    Which form runs. Both give the same output (chapter 21 proves it in float64) and read the
+    same cache; they differ in cost. Per head, the unabsorbed form up-projects every held latent
+    to a key and a value, ``S · Dc · (Dn + Dv)`` multiply-adds however few the queries, then
+    scores and sums ``Dn + Dr + Dv`` numbers per query and key; the absorbed form up-projects
+    only the ``L`` queries and outputs, ``L · Dc · (Dn + Dv)``, but scores and sums over the
+    latents, ``2·Dc + Dr`` per query and key (1,088 against 320 at DeepSeek-V3's widths). So
+    the absorbed form is cheaper when ``L`` is small beside ``S``: exactly when
+    ``L · S · (2·Dc − Dn − Dv) < (S − L) · Dc · (Dn + Dv)``, at DeepSeek-V3's widths any call of
+    at most 170 new positions after a much longer cache. A call takes that form unless told
+    (``absorbed=`` here or in :meth:`forward`), and only after cached positions:
+
+    - a decoding step (``generate()``'s every token, speculative decoding's check of a draft)
+      runs absorbed, and reads only the latents (``Dc + Dr`` numbers a position, not
+      ``H · (Dn + Dv)`` up-projected ones);
+    - the prompt's first call (``L = S``), a call without a cache (training, :meth:`forward` of
+      a whole sequence) and a call of many new positions run unabsorbed: there the absorbed form
+      would spend ≈3× the attention's multiply-adds (up to 3.4× at DeepSeek-V3's widths), and
+      save little, up-projecting ``L`` queries and outputs instead of ``S ≈ L`` latents.
+
+    vLLM's MLA backends split the work the same way (prefill "compute friendly", decode "data
+    movement friendly"); DeepSeek-V3's own reference code takes one form for every call.
 
     Shapes:
         x ``(B, L, D)`` → ``(B, L, D)``; ``position_ids`` ``(B, L)`` (default: those after the
@@ -109,6 +140,7 @@ class MultiHeadLatentAttention(nn.Module):
         positions: PositionHook | None = None,
         softmax_scale: float | None = None,
         dropout: float = 0.0,
+        absorbed: bool | None = None,
     ) -> None:
         super().__init__()
         check_int("d_model", d_model, at_least=1)
@@ -122,6 +154,8 @@ class MultiHeadLatentAttention(nn.Module):
         )
         check_number("latent_norm_eps", latent_norm_eps, low=0.0, low_open=True)
         check_number("dropout", dropout, low=0.0, high=1.0)
+        if absorbed is not None:
+            check_bool("absorbed", absorbed)
         if softmax_scale is not None:
             check_number("softmax_scale", softmax_scale, low=0.0, low_open=True)
         if positions is not None and not callable(positions):
@@ -133,7 +167,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.d_nope, self.d_rope, self.d_v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         d_qk = qk_nope_head_dim + qk_rope_head_dim
         self.softmax_scale = d_qk**-0.5 if softmax_scale is None else softmax_scale
-        self.positions, self.dropout = positions, dropout
+        self.positions, self.dropout, self.absorbed = positions, dropout, absorbed
         if q_lora_rank is None:
             self.q_proj = nn.Linear(d_model, n_heads * d_qk, bias=False)
         else:
@@ -155,10 +189,11 @@ class MultiHeadLatentAttention(nn.Module):
         *,
         position_ids: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
-        absorbed: bool = False,
+        absorbed: bool | None = None,
     ) -> Tensor:
         """``x`` ``(B, L, D)`` → ``(B, L, D)``; with ``cache``, after the positions it holds.
-        ``absorbed``: the decoding form, attending over the latents themselves."""
+        ``absorbed``: True, the decoding form, attending over the latents themselves; False,
+        every held latent up-projected; None (the default): :meth:`absorbs` chooses."""
         if x.dim() != 3 or x.size(-1) != self.d_model:
             raise ValueError(f"x must be (B, L, D={self.d_model}), got {tuple(x.shape)}")
         B, L, _ = x.shape
@@ -182,10 +217,22 @@ class MultiHeadLatentAttention(nn.Module):
         new = torch.cat([latent, k_rope[:, 0]], dim=-1)  # (B, L, Dc + Dr): what is cached
         held = new if cache is None else cache.update(new)  # 4) (B, S, Dc + Dr)
         allowed, is_causal = self._allowed(B, L, held.size(1), key_padding_mask)
+        if absorbed is None:
+            absorbed = self.absorbs(L, seen)
         attend = self._attend_absorbed if absorbed else self._attend
         out = attend(q_nope, q_rope, held, allowed, is_causal)  # (B, H, L, Dv)
         out = out.transpose(1, 2).reshape(B, L, H * self.d_v)  # 6) concat heads
         return self.out_proj(out)
+
+    def absorbs(self, new: int, seen: int) -> bool:
+        """Whether a call of ``new`` positions after ``seen`` cached ones takes the absorbed
+        form when its caller does not say: the module's ``absorbed`` if set, else True only
+        after cached positions and when the absorbed form costs fewer multiply-adds (the
+        class's "Which form runs", with ``L = new`` and ``S = seen + new``)."""
+        if self.absorbed is not None:
+            return self.absorbed
+        Dc, d_kv = self.kv_lora_rank, self.d_nope + self.d_v
+        return seen > 0 and new * (seen + new) * (2 * Dc - d_kv) < seen * Dc * d_kv
 
     def empty_cache(
         self,
