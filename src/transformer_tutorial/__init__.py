@@ -17,14 +17,14 @@ and seeds. Chapter 12 adds ``precision`` (fp32, bf16 or fp16 with loss scaling),
 ``distributed`` (many processes under ``torchrun``) and ``dropout`` (dropout masks from a
 quarter of the random draws, on a CPU), which the trainer uses.
 
-From 2017 to today (chapters 13–17) and the pieces no tutorial proves (18–25): the language
-model lives in the subpackage ``lm`` (see its docstring), built from the 2017 pieces above and a
-few shared ones that stay here: ``norms`` (RMSNorm), ``feed_forward`` (SwiGLU), ``flops``
-(a step's floating-point operations), ``checks`` (argument validation, the command lines'
-flags), ``plotting`` (the book's figures), ``tiled_attention`` (chapter 22: the online softmax,
-FlashAttention-2's tiled forward and backward), ``quantization`` and ``lora`` (chapter 24:
-weight-only int8/int4 layers, a low-rank update beside frozen weights) and ``sharding``
-(chapter 25: FSDP2 across processes).
+From 2017 to today (chapters 13–17) and the pieces no tutorial proves (18–25): the language model
+lives in the subpackage ``lm`` (see its docstring), built from the 2017 pieces above and a few
+shared ones that stay here: ``norms`` (RMSNorm), ``feed_forward`` (SwiGLU), ``flops`` (a step's
+floating-point operations), ``checks`` (argument validation, the command lines' flags),
+``versions`` (what a chapter's setup cell requires installed), ``plotting`` (the book's figures),
+``tiled_attention`` (chapter 22: the online softmax, FlashAttention-2's tiled forward and
+backward), ``quantization`` and ``lora`` (chapter 24: weight-only int8/int4 layers, a low-rank
+update beside frozen weights) and ``sharding`` (chapter 25: FSDP2 across processes).
 
 Shape vocabulary, batch-first everywhere:
 
