@@ -30,7 +30,9 @@ Sections:
      checked equal in float32 first;
   8. chapter 21's latent attention: one decoding step after a cache of latents, the absorbed
      form ÷ the unabsorbed one (ratio unabsorbed ÷ absorbed time), outputs checked equal first;
-     on a CPU 16 heads of DeepSeek-V3's widths after 2,048 positions, on a GPU its layer;
+     on a CPU 16 heads of DeepSeek-V3's widths after 2,048 positions, on a GPU its layer; then
+     through a one-layer model of those widths, ``LanguageModel.step`` as ``generate()``
+     decodes (absorbed) ÷ every layer told to stay unabsorbed, after 1,024 and 4,096;
   9. speculative decoding at batch 1 (chapter 23), section 6's model the target: the speed-up
      over plain greedy decoding and the acceptance rate of two drafts that say what they are
      (the random target agrees with no trained draft): one that proposes the last token again,

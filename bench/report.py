@@ -123,6 +123,18 @@ def print_mla_table(r: dict) -> None:
         f"{r['absorbed_ms']:>12.2f}{r['unabsorbed_ms']:>15.2f}{r['ratio']:>7.2f}{spread:>12}  "
         f"{_same(r['same_output'])}"
     )
+    if "model_steps" not in r:  # records made before it was added lack it
+        return
+    print(
+        "through the model, one layer: model.step as generate() takes it ÷ every layer unabsorbed"
+    )
+    print(f"{'S':>6}{'generate ms':>12}{'unabsorbed ms':>15}{'ratio':>7}{'spread':>12}  check")
+    for step in r["model_steps"]:
+        spread = f"{step['absorbed_spread']:.0%}/{step['unabsorbed_spread']:.0%}"
+        print(
+            f"{step['cached']:>6}{step['absorbed_ms']:>12.2f}{step['unabsorbed_ms']:>15.2f}"
+            f"{step['ratio']:>7.2f}{spread:>12}  {_same(step['same_output'])}"
+        )
 
 
 def print_speculative_table(spec: dict) -> None:

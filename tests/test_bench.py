@@ -142,6 +142,12 @@ def _check_mla(results: dict, out: str) -> None:
     assert row["cache_mib"] == 2 * 16 * (16 + 6) * 4 / 2**20  # the latents and rotary keys
     assert "ratio unabsorbed ÷ absorbed" in out
     assert "latent attention, one decoding step (B=2 after S=16, H=4)" in out  # the table
+    steps = row["model_steps"]  # through the model: generate()'s step against unabsorbed
+    assert [r["cached"] for r in steps] == [16, 32]
+    for r in steps:
+        assert r["default_form"] == "absorbed" and r["same_output"]
+        assert r["ratio"] == pytest.approx(r["unabsorbed_ms"] / r["absorbed_ms"])
+    assert "through the model, one layer: model.step as generate() takes it" in out
 
 
 def _check_speculative(results: dict, out: str) -> None:
