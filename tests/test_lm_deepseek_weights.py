@@ -134,5 +134,21 @@ def test_their_configs_we_cannot_map_are_refused_by_name():
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_configs_map_both_ways(name):
+    """Their max_position_embeddings is our max_len, except where YaRN reaches further:
+    ``factor × original_max_position_embeddings`` (4 × 8 = 32 here, past our 24)."""
     ours = config(**CONFIGS[name])
-    assert lm_config_from_deepseek_v3(deepseek_v3_config(ours)) == ours
+    theirs_config = deepseek_v3_config(ours)
+    assert lm_config_from_deepseek_v3(theirs_config, max_len=ours.max_len) == ours
+    back = lm_config_from_deepseek_v3(theirs_config)
+    assert back.max_len == (32 if ours.rope_scaling else ours.max_len)
+    if ours.rope_scaling:  # 32 positions: past their max_position_embeddings, their logits
+        ref = theirs(ours, seed=6)
+        longer = LanguageModel(back).eval()
+        copy_from_deepseek_v3(longer, ref)
+        g = torch.Generator().manual_seed(6)
+        ids = torch.randint(0, ours.vocab_size, (2, 32), generator=g)
+        with torch.no_grad():
+            expected = ref(ids).logits
+            # YaRN's mscale grows the scores: test_lm_hf_weights' relative 1e-4 (SCALED_RTOL);
+            # 6 seeds under 3 MKL code paths used at most 12 % of the tolerance.
+            torch.testing.assert_close(longer(ids), expected, atol=LOGITS_ATOL, rtol=1e-4)

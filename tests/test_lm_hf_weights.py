@@ -355,6 +355,57 @@ def test_scaled_rope_decodes_as_their_generate_with_and_without_padding(kind, na
     assert torch.equal(greedy_left_padded(ours, prompt, padding, 48), expected)
 
 
+@pytest.mark.parametrize("kind", HF)
+def test_yarn_reads_past_max_position_embeddings_as_qwen3s_card_enables_it(kind):
+    """Qwen3's model card adds YaRN (factor 4 over 32,768) and leaves max_position_embeddings
+    at 40,960; transformers reads past it. Here the same at L = 32, max_position_embeddings 40:
+    ours reaches factor × L = 128 and gives their logits at 96 positions."""
+    hf = HF[kind][1](scaled(kind, "yarn"))  # YaRN from L = 32, factor 4
+    hf.max_position_embeddings = 40
+    hf._attn_implementation = "eager"
+    config = lm_config_from_llama(hf)
+    assert config.max_len == 4 * ROPE_LEN
+    assert lm_config_from_llama(hf, max_len=LONG).max_len == LONG  # the reader's own reach
+    ref = randomized(HF[kind][2](hf).eval(), 10)
+    ours = LanguageModel(config).eval()
+    HF[kind][3](ours, ref)
+    x = long_ids(10)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x).logits, atol=MODERN_ATOL, rtol=SCALED_RTOL)
+
+
+@pytest.mark.parametrize(
+    ("rope", "max_position_embeddings", "expected"),
+    [
+        (dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32), 40, 128),
+        (dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32), 200, 200),
+        (
+            dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            131072,
+            131072,
+        ),
+        (dict(rope_type="linear", factor=4.0), 40, 40),  # no trained length stated
+        (dict(rope_type="default"), 40, 40),
+    ],
+    ids=["yarn-past", "yarn-within", "llama3.1", "linear", "default"],
+)
+def test_max_len_is_the_scaled_reach_at_least_max_position_embeddings(
+    rope, max_position_embeddings, expected
+):
+    hf = LlamaConfig(
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters=rope | {"rope_theta": 10000.0},
+    )
+    assert lm_config_from_llama(hf).max_len == expected
+    raises(lambda: lm_config_from_llama(hf, max_len=0), ValueError, "max_len must be")
+
+
 def test_a_llama_3_1_rope_dict_maps_to_our_scaling():
     """As Llama 3.1's config.json writes it (an old ``"type"`` key read too)."""
     rope = dict(

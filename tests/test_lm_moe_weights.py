@@ -21,6 +21,7 @@ from transformer_tutorial.lm.moe_weights import (
     lm_config_from_qwen3_moe,
     qwen3_moe_config,
 )
+from transformer_tutorial.lm.rope_scaling import RopeScaling
 from transformer_tutorial.lm.sampling import generate
 
 V, B, T = 50, 3, 24
@@ -144,6 +145,26 @@ def test_configs_map_both_ways(name):
         "Qwen3MoeSparseMoeBlock" if ours.is_sparse(i) else "Qwen3MoeMLP" for i in (0, 1, 2)
     ]
     assert layers == expected
+
+
+def test_yarn_reads_past_max_position_embeddings():
+    """YaRN from 8 positions, factor 4, with max_position_embeddings 24 (as Qwen3's model card
+    leaves it below the reach): ours reads 32 positions, giving their logits there."""
+    yarn = RopeScaling("yarn", factor=4.0, original_max_position_embeddings=8)
+    hf = qwen3_moe_config(config(rope_scaling=yarn))
+    hf._attn_implementation = "eager"
+    assert hf.max_position_embeddings == T
+    ours_config = lm_config_from_qwen3_moe(hf)
+    assert ours_config.max_len == 32
+    assert lm_config_from_qwen3_moe(hf, max_len=T).max_len == T
+    ref = randomized(Qwen3MoeForCausalLM(hf).eval(), 9)
+    ours = LanguageModel(ours_config).eval()
+    copy_from_qwen3_moe(ours, ref)
+    ids = torch.randint(0, V, (B, 32), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        # YaRN's attention factor (1.14) scales the scores: hf_weights' relative 1e-4
+        # (SCALED_RTOL); 6 seeds under 3 MKL code paths used at most 8 % of the tolerance.
+        torch.testing.assert_close(ours(ids), ref(ids).logits, atol=LOGITS_ATOL, rtol=1e-4)
 
 
 def test_models_that_differ_are_refused_naming_the_setting():

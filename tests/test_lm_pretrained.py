@@ -39,6 +39,10 @@ V, B, T = 50, 3, 16  # helpers.lm_config's vocabulary and positions
 # float32: their attention and ours compute the same sums in other orders (hf_weights' tests
 # measured up to 2.3e-5 on logits of size ~5); GPT-2's is tighter there, not needed here.
 ATOL, RTOL = 1e-4, 1e-5
+# Past the trained length YaRN's attention factor (1.14 at factor 4) scales the scores: hf_weights'
+# SCALED_RTOL (1.1e-4 measured there at a logit of 2.7 under three MKL code paths); this Qwen3
+# at 96 positions used at most 11 % of ATOL + SCALED_RTOL·|logit| (6 seeds, 3 code paths).
+SCALED_RTOL = 1e-4
 SMALL_SHARDS = 20_000  # bytes: the tiny models below (~110 kB in float32) take 4 to 7 shards
 OURS = {  # model_type: our choices for its kind (2 key/value heads for 4 query heads)
     "gpt2": {},
@@ -219,6 +223,27 @@ def test_scaled_rope_folders_give_their_logits_past_the_trained_length_both_ways
     save_pretrained(ours, tmp_path / "ours")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     torch.testing.assert_close(logits(again, x), logits(ours, x), atol=ATOL, rtol=RTOL)
+
+
+def test_a_yarn_folder_reads_past_its_max_position_embeddings(tmp_path):
+    """Qwen3's model card enables YaRN by adding rope_scaling to config.json (factor 4 over
+    32,768) and leaves max_position_embeddings at 40,960, which transformers reads past. The
+    same at L = 32 with max_position_embeddings 40: ours reaches 128 and gives their logits at
+    96 positions; ``max_len`` chooses another reach, for rotary models only."""
+    theirs("qwen3", tie=False, d_head=16).save_pretrained(tmp_path)  # pairs in every band
+    scaling = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=ROPE_LEN)
+    edit_config(tmp_path, max_position_embeddings=40, rope_parameters=None, rope_scaling=scaling)
+    assert read_config(tmp_path).max_len == 4 * ROPE_LEN
+    ours = load_pretrained(tmp_path)
+    assert ours.config.max_len == 4 * ROPE_LEN
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = torch.randint(0, V, (B, 3 * ROPE_LEN), generator=torch.Generator().manual_seed(11))
+    torch.testing.assert_close(logits(ours, x), logits(ref, x), atol=ATOL, rtol=SCALED_RTOL)
+    assert load_pretrained(tmp_path, max_len=1000).config.max_len == 1000
+    assert read_config(tmp_path, max_len=1000).max_len == 1000
+    gpt2 = their_folder(tmp_path / "gpt2", "gpt2")
+    raises(lambda: read_config(gpt2, max_len=1000), ValueError, "max_len=1000")
+    raises(lambda: load_pretrained(tmp_path, max_len=0), ValueError, "max_len must be")
 
 
 def test_a_llama_3_2_style_config_loads_with_its_rope_scaling(tmp_path):

@@ -22,6 +22,7 @@ from transformer_tutorial.lm.hf_weights import (
     LLAMA_NAMES,
     LLAMA_OUTSIDE,
     _check_kind,
+    _max_len,
     _require,
     _rope_parameters,
     _rope_settings,
@@ -97,10 +98,14 @@ def deepseek_v3_config(config: LMConfig) -> DeepseekV3Config:
     )
 
 
-def lm_config_from_deepseek_v3(config: DeepseekV3Config) -> LMConfig:
+def lm_config_from_deepseek_v3(
+    config: DeepseekV3Config, *, max_len: int | None = None
+) -> LMConfig:
     """Our :class:`LMConfig` for a ``DeepseekV3Config`` whose layers are all dense
     (``dropout``: its ``attention_dropout``). Mixture-of-experts layers, biases, grouped heads
-    and head widths that do not add up are refused, naming the setting."""
+    and head widths that do not add up are refused, naming the setting. ``max_len`` as
+    :func:`~transformer_tutorial.lm.hf_weights.lm_config_from_llama` (YaRN's
+    ``factor × original_max_position_embeddings`` if longer than theirs)."""
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: ours maps only SwiGLU ('silu')")
     if config.first_k_dense_replace < config.num_hidden_layers:
@@ -131,7 +136,7 @@ def lm_config_from_deepseek_v3(config: DeepseekV3Config) -> LMConfig:
         n_heads=config.num_attention_heads,
         n_layers=config.num_hidden_layers,
         d_ff=config.intermediate_size,
-        max_len=config.max_position_embeddings,
+        max_len=_max_len(config, rope_scaling, max_len),
         dropout=float(config.attention_dropout),
         **DEEPSEEK
         | dict(layer_norm_eps=config.rms_norm_eps, tie_embeddings=config.tie_word_embeddings),

@@ -27,9 +27,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from transformer_tutorial.checks import check_optional_int
 from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
 from transformer_tutorial.lm.model import LanguageModel
-from transformer_tutorial.lm.rope_scaling import REFUSED, RopeScaling
+from transformer_tutorial.lm.rope_scaling import REFUSED, RopeScaling, scaled_max_len
 
 # Our names → theirs, per layer (``layers.i.`` → ``model.layers.i.``) and outside the layers.
 LLAMA_NAMES = {
@@ -80,6 +81,13 @@ def _rope_settings(parameters: dict | None) -> tuple[float, RopeScaling | None, 
     theta = float(rope.get("rope_theta", 10000.0))
     partial = float(rope.get("partial_rotary_factor") or 1.0)
     return theta, RopeScaling.from_parameters(rope), partial
+
+
+def _max_len(config: PretrainedConfig, scaling: RopeScaling | None, max_len: int | None) -> int:
+    """Ours ``max_len``: the caller's, or how far their config reads (:func:`scaled_max_len`:
+    a YaRN or llama3 config past its ``max_position_embeddings``)."""
+    check_optional_int("max_len", max_len, at_least=1)
+    return scaled_max_len(config.max_position_embeddings, scaling) if max_len is None else max_len
 
 
 def _require(config: LMConfig, required: dict, model: str) -> None:
@@ -134,10 +142,16 @@ def qwen3_config(config: LMConfig) -> Qwen3Config:
     )
 
 
-def lm_config_from_llama(config: LlamaConfig | Qwen3Config) -> LMConfig:
+def lm_config_from_llama(
+    config: LlamaConfig | Qwen3Config, *, max_len: int | None = None
+) -> LMConfig:
     """Our :class:`LMConfig` for a ``LlamaConfig`` or a ``Qwen3Config`` (``dropout``: its
     ``attention_dropout``; Llama has no other). Rope types ``"default"``, ``"linear"``,
-    ``"llama3"`` and ``"yarn"`` map to ``rope_scaling``; others are refused, naming them."""
+    ``"llama3"`` and ``"yarn"`` map to ``rope_scaling``; others are refused, naming them.
+    ``max_len``: the positions ours reads (its rotary tables' length); None: their
+    ``max_position_embeddings``, or for YaRN and llama3 ``factor ×
+    original_max_position_embeddings`` if longer
+    (:func:`~transformer_tutorial.lm.rope_scaling.scaled_max_len`)."""
     qwen3 = isinstance(config, Qwen3Config)
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: ours maps only SwiGLU ('silu')")
@@ -160,7 +174,7 @@ def lm_config_from_llama(config: LlamaConfig | Qwen3Config) -> LMConfig:
         n_heads=heads,
         n_layers=config.num_hidden_layers,
         d_ff=config.intermediate_size,
-        max_len=config.max_position_embeddings,
+        max_len=_max_len(config, rope_scaling, max_len),
         dropout=float(config.attention_dropout),
         **(QWEN3 if qwen3 else LLAMA)
         | dict(

@@ -27,6 +27,7 @@ from transformer_tutorial.lm.hf_weights import (
     LLAMA_NAMES,
     LLAMA_OUTSIDE,
     _check_kind,
+    _max_len,
     _require,
     _rope_settings,
     _shared_fields,
@@ -72,9 +73,10 @@ def qwen3_moe_config(config: LMConfig) -> Qwen3MoeConfig:
     )
 
 
-def lm_config_from_qwen3_moe(config: Qwen3MoeConfig) -> LMConfig:
+def lm_config_from_qwen3_moe(config: Qwen3MoeConfig, *, max_len: int | None = None) -> LMConfig:
     """Our :class:`LMConfig` for a ``Qwen3MoeConfig`` (``dropout``: its ``attention_dropout``);
-    rope types as :func:`~transformer_tutorial.lm.hf_weights.lm_config_from_llama`."""
+    rope types and ``max_len`` as :func:`~transformer_tutorial.lm.hf_weights.
+    lm_config_from_llama`."""
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: ours maps only SwiGLU ('silu')")
     rope_base, rope_scaling, partial = _rope_settings(config.rope_parameters)
@@ -98,7 +100,7 @@ def lm_config_from_qwen3_moe(config: Qwen3MoeConfig) -> LMConfig:
         n_heads=heads,
         n_layers=config.num_hidden_layers,
         d_ff=config.intermediate_size,
-        max_len=config.max_position_embeddings,
+        max_len=_max_len(config, rope_scaling, max_len),
         dropout=float(config.attention_dropout),
         **QWEN3
         | dict(layer_norm_eps=config.rms_norm_eps, tie_embeddings=config.tie_word_embeddings),

@@ -14,7 +14,7 @@ import json
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -114,14 +114,16 @@ FAMILIES = MappingProxyType(
 )
 
 
-def read_config(folder: str | os.PathLike) -> LMConfig:
-    """Our config for a folder's ``config.json``; an error names a field ours cannot hold."""
+def read_config(folder: str | os.PathLike, *, max_len: int | None = None) -> LMConfig:
+    """Our config for a folder's ``config.json``; an error names a field ours cannot hold.
+    ``max_len``: as :func:`load_pretrained`'s."""
+    check_optional_int("max_len", max_len, at_least=1)
     family, theirs = _read_config(Path(folder))
-    return _to_ours(family, theirs, Path(folder))
+    return _to_ours(family, theirs, Path(folder), max_len)
 
 
 def load_pretrained(
-    folder: str | os.PathLike, *, dtype: torch.dtype | None = None
+    folder: str | os.PathLike, *, dtype: torch.dtype | None = None, max_len: int | None = None
 ) -> LanguageModel:
     """Our :class:`LanguageModel` with the weights of a checkpoint folder (GPT-2, Llama or
     Qwen3), on the CPU, in eval mode.
@@ -130,17 +132,23 @@ def load_pretrained(
         folder: holds ``config.json`` and ``model.safetensors``, or
             ``model.safetensors.index.json`` and the shards it names.
         dtype: the model's dtype; None keeps the one its tensors are stored in.
+        max_len: the positions a rotary model reads (its tables' length); None: the config's
+            ``max_position_embeddings``, or with YaRN or llama3 rope scaling ``factor ×
+            original_max_position_embeddings`` if longer (as Qwen3's card sets YaRN: 131,072
+            positions over a ``max_position_embeddings`` of 40,960). GPT-2's table is fixed.
 
     Raises ``FileNotFoundError`` for a missing config, weights or shard; ``ValueError`` for a
-    config ours cannot represent, and for tensors missing, unexpected or of the wrong shape (all
-    before a tensor is read), a tied output layer stored unlike the token table, or dtypes
-    mixed with no ``dtype`` given; ``TypeError`` for a ``dtype`` that is not a float dtype.
+    config ours cannot represent (or a ``max_len`` for GPT-2), and for tensors missing,
+    unexpected or of the wrong shape (all before a tensor is read), a tied output layer stored
+    unlike the token table, or dtypes mixed with no ``dtype`` given; ``TypeError`` for a
+    ``dtype`` that is not a float dtype.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be None or a floating torch.dtype, got {dtype!r}")
+    check_optional_int("max_len", max_len, at_least=1)
     folder = Path(folder)
     family, their_config = _read_config(folder)
-    config = _to_ours(family, their_config, folder)
+    config = _to_ours(family, their_config, folder, max_len)
     with torch.device("meta"):
         skeleton = family.model_class(their_config)
     stored = _stored(folder)
@@ -172,11 +180,19 @@ def _read_config(folder: Path) -> tuple[Family, Any]:
     return family, family.config_class.from_dict(raw)
 
 
-def _to_ours(family: Family, theirs: Any, folder: Path) -> LMConfig:
+def _to_ours(family: Family, theirs: Any, folder: Path, max_len: int | None) -> LMConfig:
     try:
-        return family.to_ours(theirs)
+        config = family.to_ours(theirs)
     except ValueError as error:
         raise ValueError(f"{folder / CONFIG}: {error}") from error
+    if max_len is None:
+        return config
+    if config.positions != "rope":
+        raise ValueError(
+            f"max_len={max_len}: {folder / CONFIG} has a learned table of {config.max_len} "
+            "positions, which fixes its reach; max_len is for rotary models (llama, qwen3)"
+        )
+    return replace(config, max_len=max_len)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ remedy keeps the positions and changes the frequencies ``θ_i`` (chapter 15's
 
 :func:`scaled_frequencies` returns the frequencies and that attention factor;
 :func:`scaled_rotary` builds the position hook of an attention layer from them, with
-``partial_rotary_factor`` (GPT-NeoX) rotating the first part of each head only.
+``partial_rotary_factor`` (GPT-NeoX) rotating the first part of each head only;
+:func:`scaled_max_len` is how far a scaled ``transformers`` config reads.
 
 Shapes: frequencies ``(Dr/2,)`` float64 for a rotated width ``Dr ≤ Dh``.
 """
@@ -237,6 +238,19 @@ def scaled_frequencies(
         return theta * keep + theta / s * (1 - keep), 1.0
     ramp = yarn_ramp(scaling, rotary_dim, base)  # 1: interpolated, 0: kept
     return theta / s * ramp + theta * (1 - ramp), yarn_attention_factor(scaling)
+
+
+def scaled_max_len(max_position_embeddings: int, scaling: RopeScaling | None) -> int:
+    """The positions a ``transformers`` config with ``scaling`` is read to: for ``"llama3"``
+    and ``"yarn"`` the length they scale to, ``factor × original_max_position_embeddings`` (as
+    vLLM takes YaRN's), never fewer than ``max_position_embeddings`` (Qwen3's model card
+    enables YaRN to 4 × 32,768 and leaves that at 40,960; transformers reads past it). Other
+    types state no trained length: ``max_position_embeddings``."""
+    check_int("max_position_embeddings", max_position_embeddings, at_least=1)
+    if scaling is None or scaling.rope_type not in ("llama3", "yarn"):
+        return max_position_embeddings
+    reach = int(scaling.factor * scaling.original_max_position_embeddings)
+    return max(max_position_embeddings, reach)
 
 
 def rotary_width(head_dim: int, partial_rotary_factor: float = 1.0) -> int:
