@@ -5,6 +5,13 @@
 As ``peft``'s ``LoraLayer``: ``A`` starts Kaiming-uniform (``a = √5``, nn.Linear's own), ``B``
 zeros, so the model starts unchanged; only ``A`` and ``B`` train. Merging adds ``s · B A`` to
 ``W`` and gives the same outputs with no extra work per token.
+
+On a bf16 or fp16 base, ``A`` and ``B`` are float32, as ``peft`` makes them
+(``autocast_adapter_dtype=True``): an optimizer step of 1e-4 on a weight of 0.05 is below half
+of bf16's step there, and a bf16 adapter would keep its old value. The update is computed in
+float32 and added to the base's output before one rounding to its dtype, as ``peft`` does.
+Merging adds the float32 update into the low-precision weight (one rounding per weight);
+unmerging subtracts it again, which is not an exact inverse in low precision (nor in ``peft``).
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ import math
 
 import torch
 from torch import Tensor, nn
+
+# Base dtypes whose adapters are kept in float32 (peft's cast_adapter_dtype).
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class LoRALinear(nn.Module):
@@ -44,18 +54,19 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         w = base.weight
+        dtype = torch.float32 if w.dtype in LOW_PRECISION else w.dtype  # the adapters'
         self.lora_A = nn.Parameter(
-            torch.empty(rank, base.in_features, device=w.device, dtype=w.dtype)
+            torch.empty(rank, base.in_features, device=w.device, dtype=dtype)
         )
         self.lora_B = nn.Parameter(
-            torch.zeros(base.out_features, rank, device=w.device, dtype=w.dtype)
+            torch.zeros(base.out_features, rank, device=w.device, dtype=dtype)
         )
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.dropout = nn.Dropout(dropout)
         self.merged = False
 
     def delta_weight(self) -> Tensor:
-        """The update ``scaling · B A`` ``(out, in)``."""
+        """The update ``scaling · B A`` ``(out, in)``, in the adapters' dtype."""
         return self.scaling * (self.lora_B @ self.lora_A)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -63,18 +74,21 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if self.merged:
             return y
-        return y + self.scaling * (self.dropout(x) @ self.lora_A.T @ self.lora_B.T)
+        update = self.dropout(x.to(self.lora_A.dtype)) @ self.lora_A.T @ self.lora_B.T
+        return (y + self.scaling * update).to(y.dtype)  # summed in float32 on a bf16 base
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Add the update into the frozen weight; outputs are unchanged (without dropout)."""
+        """Add the update into the frozen weight; outputs are unchanged (without dropout, and
+        up to one rounding of each weight in low precision)."""
         if not self.merged:
             self.base.weight += self.delta_weight()
             self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        """Take the update back out of the weight (undoes :meth:`merge`)."""
+        """Take the update back out of the weight (undoes :meth:`merge`, up to one more
+        rounding of each weight in low precision)."""
         if self.merged:
             self.base.weight -= self.delta_weight()
             self.merged = False
