@@ -4,8 +4,10 @@ the book's :class:`LanguageModel`, and ours written the same way, for GPT-2, Lla
 
 A folder is read into a weightless ``transformers`` model of its config on the ``meta`` device,
 whose names are the checkpoint's; the tested mappings of ``lm.gpt2_weights`` and ``lm.hf_weights``
-copy between it and ours, so no name is repeated here. Files, config, names and shapes are
-checked before a weight is read (safetensors: a JSON header, raw bytes, no pickle).
+pair its tensors with ours, so no name is repeated here. Files, config, names and shapes are
+checked before a weight is read (safetensors: a JSON header, raw bytes, no pickle). Each tensor
+is read once, into memory of its own, and ours (also built on ``meta``) takes it as its weight:
+loading holds the weights about once, not a random model beside them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -33,16 +36,10 @@ from transformers import (
 )
 
 from transformer_tutorial.checks import check_optional_int
+from transformer_tutorial.lm import gpt2_weights, hf_weights
 from transformer_tutorial.lm.config import LMConfig
-from transformer_tutorial.lm.gpt2_weights import (
-    copy_from_gpt2,
-    copy_to_gpt2,
-    gpt2_config,
-    lm_config_from_gpt2,
-)
+from transformer_tutorial.lm.gpt2_weights import copy_to_gpt2, gpt2_config, lm_config_from_gpt2
 from transformer_tutorial.lm.hf_weights import (
-    copy_from_llama,
-    copy_from_qwen3,
     copy_to_llama,
     copy_to_qwen3,
     llama_config,
@@ -57,16 +54,30 @@ INDEX = "model.safetensors.index.json"
 HEAD = "lm_head.weight"  # the output layer, left out of a tied checkpoint
 
 
+def _gpt2_weights(ours: LanguageModel, gpt2: GPT2LMHeadModel) -> Iterator[tuple[Tensor, Tensor]]:
+    """Each weight of ours and the tensor of GPT-2's it takes: ``Conv1D`` weights transposed,
+    ``c_attn`` split (chapter 13's mapping)."""
+    for _, mine, theirs, transposed in gpt2_weights._pairs(ours, gpt2):
+        yield mine, theirs.T if transposed else theirs
+
+
+def _llama_weights(ours: LanguageModel, theirs: nn.Module) -> Iterator[tuple[Tensor, Tensor]]:
+    """Each weight of ours and the tensor of Llama's or Qwen3's it takes (chapter 17's)."""
+    for _, mine, their in hf_weights._llama_pairs(ours, theirs):
+        yield mine, their
+
+
 @dataclass(frozen=True)
 class Family:
-    """One ``model_type``: their classes, configs and weight copies both ways, the fields that
-    size the weights (a folder must state them), a pattern of stored tensors not weights."""
+    """One ``model_type``: their classes, configs, the pairing of their weights with ours (each
+    of ours and the tensor it takes from theirs) and the copy into theirs, the fields that size
+    the weights (a folder must state them), a pattern of stored tensors not weights."""
 
     config_class: type
     model_class: type[nn.Module]
     to_ours: Callable[[Any], LMConfig]
     to_theirs: Callable[[LMConfig], Any]
-    copy_from: Callable[[LanguageModel, Any], None]
+    weights_from: Callable[[LanguageModel, Any], Iterator[tuple[Tensor, Tensor]]]
     copy_to: Callable[[LanguageModel, Any], None]
     sizes: tuple[str, ...]
     not_weights: str | None = None
@@ -86,7 +97,7 @@ FAMILIES = MappingProxyType(
             GPT2LMHeadModel,
             lm_config_from_gpt2,
             gpt2_config,
-            copy_from_gpt2,
+            _gpt2_weights,
             copy_to_gpt2,
             ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
             # OpenAI's GPT-2 files keep each layer's causal mask as a tensor (``h.0.attn.bias``).
@@ -97,7 +108,7 @@ FAMILIES = MappingProxyType(
             LlamaForCausalLM,
             lm_config_from_llama,
             llama_config,
-            copy_from_llama,
+            _llama_weights,
             copy_to_llama,
             LLAMA_SIZES,
         ),
@@ -106,7 +117,7 @@ FAMILIES = MappingProxyType(
             Qwen3ForCausalLM,
             lm_config_from_llama,
             qwen3_config,
-            copy_from_qwen3,
+            _llama_weights,
             copy_to_qwen3,
             LLAMA_SIZES,
         ),
@@ -126,12 +137,15 @@ def load_pretrained(
     folder: str | os.PathLike, *, dtype: torch.dtype | None = None, max_len: int | None = None
 ) -> LanguageModel:
     """Our :class:`LanguageModel` with the weights of a checkpoint folder (GPT-2, Llama or
-    Qwen3), on the CPU, in eval mode.
+    Qwen3), on the CPU, in eval mode. Each tensor is read once, into memory of its own, and
+    becomes ours' weight: loading holds about the checkpoint's bytes, plus a copy of GPT-2's
+    transposed ``Conv1D`` weights.
 
     Args:
         folder: holds ``config.json`` and ``model.safetensors``, or
             ``model.safetensors.index.json`` and the shards it names.
-        dtype: the model's dtype; None keeps the one its tensors are stored in.
+        dtype: the model's dtype; None keeps the one its tensors are stored in (converted one
+            tensor at a time).
         max_len: the positions a rotary model reads (its tables' length); None: the config's
             ``max_position_embeddings``, or with YaRN or llama3 rope scaling ``factor ×
             original_max_position_embeddings`` if longer (as Qwen3's card sets YaRN: 131,072
@@ -139,9 +153,9 @@ def load_pretrained(
 
     Raises ``FileNotFoundError`` for a missing config, weights or shard; ``ValueError`` for a
     config ours cannot represent (or a ``max_len`` for GPT-2), and for tensors missing,
-    unexpected or of the wrong shape (all before a tensor is read), a tied output layer stored
-    unlike the token table, or dtypes mixed with no ``dtype`` given; ``TypeError`` for a
-    ``dtype`` that is not a float dtype.
+    unexpected, of the wrong shape, not stored as floats or in mixed dtypes with no ``dtype``
+    given (all before a tensor is read), or a tied output layer stored unlike the token table;
+    ``TypeError`` for a ``dtype`` that is not a float dtype.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be None or a floating torch.dtype, got {dtype!r}")
@@ -153,16 +167,33 @@ def load_pretrained(
         skeleton = family.model_class(their_config)
     stored = _stored(folder)
     names = _match(stored, skeleton, family, tied=config.tie_embeddings, folder=folder)
-    state = _read(stored, names)
-    if config.tie_embeddings:
-        _tie(state, skeleton, folder)
-    stored_dtypes = sorted({str(t.dtype) for t in state.values()})
+    kinds = {stored[s].dtype for s in names.values()}
+    if not kinds <= DTYPES.keys():
+        raise ValueError(
+            f"{folder}: tensors are stored as {sorted(kinds - DTYPES.keys())}; ours reads "
+            f"weights stored as {', '.join(DTYPES)}"
+        )
+    stored_dtypes = sorted(str(DTYPES[k]) for k in kinds)
     if dtype is None and len(stored_dtypes) > 1:
         raise ValueError(f"{folder}: tensors are stored as {stored_dtypes}: pass a dtype")
-    skeleton.load_state_dict(state, strict=True, assign=True)
-    ours = LanguageModel(config)
-    family.copy_from(ours, skeleton)
-    return ours.to(dtype or next(iter(state.values())).dtype).eval()
+    state = _read(stored, names)
+    table = _check_tie(state, skeleton, folder) if config.tie_embeddings else None
+    if dtype is not None:
+        for k in list(state):  # one tensor at a time: each stored one freed once converted
+            state[k] = state[k].to(dtype)
+    if table is not None:
+        state[HEAD] = state[table]  # one tensor under both names
+    skeleton.load_state_dict(state, strict=True, assign=True)  # their model holds the tensors
+    with torch.device("meta"):
+        ours = LanguageModel(config)  # no weights; its rotary tables are computed on the CPU
+    takes = {id(mine): theirs for mine, theirs in family.weights_from(ours, skeleton)}
+    # Each weight of ours becomes their tensor, not a copy of it (GPT-2's transposed ones are
+    # copied); a tied table is one parameter under both names, as it was.
+    weights = {
+        k: takes[id(p)].contiguous() for k, p in ours.named_parameters(remove_duplicate=False)
+    }
+    ours.load_state_dict(weights, strict=True, assign=True)
+    return ours.eval()
 
 
 def _read_config(folder: Path) -> tuple[Family, Any]:
@@ -197,10 +228,12 @@ def _to_ours(family: Family, theirs: Any, folder: Path, max_len: int | None) -> 
 
 @dataclass(frozen=True)
 class Stored:
-    """Where a stored tensor is, and its shape as the file's header gives it."""
+    """Where a stored tensor is, and its shape and dtype (safetensors' name: ``"BF16"``) as the
+    file's header gives them."""
 
     file: Path
     shape: list[int]
+    dtype: str
 
 
 def _stored(folder: Path) -> dict[str, Stored]:
@@ -231,7 +264,8 @@ def _stored(folder: Path) -> dict[str, Stored]:
 def _header(path: Path) -> dict[str, Stored]:
     try:
         with safe_open(path, framework="pt") as f:
-            return {k: Stored(path, f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+            slices = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118
+            return {k: Stored(path, v.get_shape(), v.get_dtype()) for k, v in slices.items()}
     except SafetensorError as error:
         raise ValueError(f"{path}: not a safetensors file ({error})") from error
 
@@ -267,27 +301,51 @@ def _match(
     return names
 
 
+# The dtypes a weight is read in, by safetensors' names.
+DTYPES = MappingProxyType(
+    {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+)
+
+
 def _read(stored: dict[str, Stored], names: dict[str, str]) -> dict[str, Tensor]:
-    """The tensors, their model's names as keys, each file opened once."""
+    """The tensors, their model's names as keys: each read from its file (opened once) into
+    memory of its own, by plain reads at the header's offsets. A memory map (safetensors'
+    ``get_tensor``) would tie the model to the file, and copying out of one would hold each
+    weight twice."""
     state = {}
     for path in dict.fromkeys(stored[s].file for s in names.values()):
-        with safe_open(path, framework="pt") as f:
-            state |= {k: f.get_tensor(s) for k, s in names.items() if stored[s].file == path}
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))  # the header's length, little-endian
+            header = json.loads(f.read(n))
+            for k, s in names.items():
+                if stored[s].file == path:
+                    state[k] = _read_tensor(f, 8 + n, header[s])
     return state
 
 
-def _tie(state: dict[str, Tensor], skeleton: nn.Module, folder: Path) -> None:
-    """A tied checkpoint's output layer is its token table: filled in where the file leaves it
-    out, refused where the file holds a different one."""
+def _read_tensor(f: Any, start: int, entry: dict) -> Tensor:
+    """One tensor of a header ``entry`` (dtype, shape, offsets from ``start``)."""
+    tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+    f.seek(start + entry["data_offsets"][0])
+    # Its bytes, as stored: little-endian, as x86 and ARM hold numbers. safe_open has checked
+    # the header's offsets against the shapes and the file's length (_header).
+    f.readinto(tensor.view(-1).view(torch.uint8).numpy())
+    return tensor
+
+
+def _check_tie(state: dict[str, Tensor], skeleton: nn.Module, folder: Path) -> str:
+    """A tied checkpoint's output layer is its token table: refused where the file holds a
+    different one, dropped where it holds the same. Returns the table's name."""
     table = skeleton.get_input_embeddings().weight
     embed = next(k for k, p in skeleton.named_parameters() if p is table)
-    if HEAD in state and not torch.equal(state[HEAD], state[embed]):
+    head = state.pop(HEAD, None)
+    if head is not None and not torch.equal(head, state[embed]):
         raise ValueError(
             f"{folder}: tie_word_embeddings is true in {CONFIG}, but the stored {HEAD} differs "
             f"from {embed}; set it to false if the output layer is its own (transformers then "
             "keeps the two apart)"
         )
-    state[HEAD] = state[embed]
+    return embed
 
 
 def _some(names: list[str], shown: int = 5) -> str:
