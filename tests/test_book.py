@@ -55,6 +55,28 @@ def test_chapter_opens_with_badge_and_setup_cell(path: Path):
     assert not setup.outputs, "outside Colab the setup cell prints nothing"
 
 
+# What a chapter's code uses → what its setup cell must require, so that a Colab runtime with the
+# wrong version stops at the top with the pip command instead of failing cells later.
+NEEDS = {
+    re.compile(r"^\s*(from|import) transformers\b", re.M): '"transformers>=5,<6"',
+    re.compile(r"^\s*(from|import) peft\b", re.M): '"peft>=0.21,<1"',
+    re.compile(r"\bsharding\b|fully_shard"): '"torch>=2.6"',
+}
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_setup_cell_requires_what_the_chapter_imports(path: Path):
+    nb = nbformat.read(path, as_version=4)
+    setup = _source(nb.cells[1])
+    code = "\n".join(_source(c) for c in nb.cells[2:] if c.cell_type == "code")
+    needed = {spec for pattern, spec in NEEDS.items() if pattern.search(code)}
+    if '"transformers>=5,<6"' in needed or '"peft>=0.21,<1"' in needed:
+        needed.add('"torch>=2.6"')  # transformers 5 runs on torch >= 2.6 only
+        assert '"transformer-tutorial[hf] @ "' in setup, "install the package's [hf] extra"
+    missing = [spec for spec in sorted(needed) if spec not in setup]
+    assert not missing, f"the setup cell must call require(...) with {missing}"
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_chapter_is_executed_in_order_with_outputs(path: Path):
     nb = nbformat.read(path, as_version=4)
