@@ -1,8 +1,10 @@
 """moe: the router, the experts and the block equal transformers' Qwen3MoeSparseMoeBlock
 (outputs and router logits, float32, 1e-5) for expert counts and top-k from 1 to E,
 norm_topk_prob both ways, ties included; the grouped experts equal a loop over tokens (float64);
-the load-balancing loss equals load_balancing_loss_func with and without padding; the model's
-router logits reach the caller and the loss trains the router; bad input is refused by name.
+the load-balancing loss equals load_balancing_loss_func with and without padding, is k whenever the
+counts are even, falls below k with idle experts, and in bf16 stays nearer float64 than theirs;
+the per-layer loss equals a hand computation, layer by layer; the model's router logits reach the
+caller and the loss trains the router; bad input is refused by name.
 (Whole models against Qwen3MoeForCausalLM: test_lm_moe_weights.py.)"""
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformer_tutorial.lm.moe import (
     Experts,
     MixtureOfExperts,
     load_balancing_loss,
+    load_balancing_loss_per_layer,
     route,
     tokens_per_expert,
 )
@@ -156,6 +159,89 @@ def test_load_balancing_loss_is_k_when_uniform_and_ignores_padding():
     assert load_balancing_loss((collapsed,), 1) > 3.9  # E · 1 · 1 = 4 at the limit
 
 
+def test_load_balancing_loss_is_k_whenever_the_counts_are_even():
+    """Token n's largest logit is expert n mod E (top-1) or experts n, n + 1 mod E (top-2),
+    every other logit random: the counts are even, the probabilities not."""
+    g = torch.Generator().manual_seed(1)
+    for top_k in (1, 2):
+        logits = torch.randn(24, 4, generator=g)
+        for j in range(top_k):
+            logits[torch.arange(24), (torch.arange(24) + j) % 4] += 10.0
+        assert (tokens_per_expert((logits,), top_k) == 24 * top_k // 4).all()
+        torch.testing.assert_close(
+            load_balancing_loss((logits,), top_k), torch.tensor(top_k * 1.0)
+        )
+
+
+def test_load_balancing_loss_falls_below_k_with_idle_experts():
+    """Half the tokens to expert 0, half to expert 1, each with its probability barely above
+    what it parks on the idle experts 2 and 3: 2/3 < k = 1, ours == transformers'."""
+    eps = 1e-6
+    rows = torch.tensor(
+        [[1 / 3 + eps, 0.0, 1 / 3, 1 / 3 - eps], [0.0, 1 / 3 + eps, 1 / 3, 1 / 3 - eps]]
+    )
+    logits = rows.log().repeat_interleave(8, dim=0)  # (16, 4)
+    assert tokens_per_expert((logits,), 1).tolist() == [[8, 8, 0, 0]]
+    loss = load_balancing_loss((logits,), 1)
+    torch.testing.assert_close(loss, load_balancing_loss_func((logits,), 4, 1))
+    torch.testing.assert_close(loss, torch.tensor(2 / 3), atol=1e-5, rtol=0)
+
+
+def test_load_balancing_loss_in_bf16_is_nearer_float64_than_transformers():
+    """bf16 logits: ours softmaxes in float32 (as the router does), theirs in bf16; against the
+    loss computed by hand in float64, ours is within 1e-5, theirs farther."""
+    g = torch.Generator().manual_seed(2)
+    layers = tuple((torch.randn(256, 16, generator=g) * 2).bfloat16() for _ in range(3))
+    probs = torch.cat(layers).double().softmax(-1)
+    chosen = probs.topk(4, dim=-1).indices
+    f = torch.zeros(16, dtype=torch.float64).index_add_(
+        0, chosen.flatten(), torch.ones(chosen.numel(), dtype=torch.float64)
+    )
+    exact = 16 * (f / len(probs) * probs.mean(0)).sum()
+    ours = (load_balancing_loss(layers, 4).double() - exact).abs()
+    theirs = (load_balancing_loss_func(layers, 16, 4).double() - exact).abs()
+    assert ours < 1e-5 and ours < theirs
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_load_balancing_loss_per_layer_equals_a_hand_computation(padded):
+    """One loss per sparse layer, E · Σ_e f_e · P_e over that layer's real tokens, computed
+    here with loops: three random layers and one collapsed onto expert 2."""
+    g = torch.Generator().manual_seed(5)
+    layers = [torch.randn(B * T, 4, generator=g) * 2 for _ in range(3)]
+    layers.append(torch.zeros(B * T, 4).index_fill_(1, torch.tensor([2]), 20.0))
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    if padded:
+        padding[0, 4:], padding[2, 1:] = True, True
+    real = [n for n in range(B * T) if not padding.flatten()[n]]
+    top_k = 2
+    expected = []
+    for logits in layers:
+        f, p = [0.0] * 4, [0.0] * 4
+        for n in real:
+            probs = logits[n].double().softmax(-1)
+            for e in probs.topk(top_k).indices.tolist():
+                f[e] += 1 / len(real)
+            for e in range(4):
+                p[e] += probs[e].item() / len(real)
+        expected.append(4 * sum(fe * pe for fe, pe in zip(f, p, strict=True)))
+    got = load_balancing_loss_per_layer(layers, top_k, padding_mask=padding if padded else None)
+    assert got.shape == (4,)
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float32))
+    assert got[3] > 3.9  # the collapsed layer: near E · 1 · 1 (its second choice gets P ≈ 0)
+
+
+def test_pooling_lets_collapsed_layers_cancel_and_the_per_layer_loss_does_not():
+    """Four layers, each sending every token to a different expert (k = 1): pooled, the
+    counts and probabilities look even (1 = k, as transformers computes it); per layer, each
+    scores the most it can, E = 4."""
+    layers = [torch.zeros(10, 4).index_fill_(1, torch.tensor([i]), 20.0) for i in range(4)]
+    pooled = load_balancing_loss(layers, 1)
+    torch.testing.assert_close(pooled, load_balancing_loss_func(tuple(layers), 4, 1))
+    torch.testing.assert_close(pooled, torch.tensor(1.0))
+    torch.testing.assert_close(load_balancing_loss_per_layer(layers, 1), torch.full((4,), 4.0))
+
+
 def moe_config(**changes) -> LMConfig:
     moe = dict(n_experts=4, n_experts_per_token=2, moe_d_ff=24, sparse_step=1)
     return lm_config(**(dict(QWEN3) | dict(n_kv_heads=2, dropout=0.0) | moe | changes))
@@ -234,6 +320,8 @@ def test_bad_load_balancing_inputs_are_refused_by_name():
     raises(lambda: load_balancing_loss(logits, 5), ValueError, "top_k=5 exceeds n_experts=4")
     wrong = torch.zeros(2, 4, dtype=torch.bool)
     raises(lambda: load_balancing_loss(logits, 1, padding_mask=wrong), ValueError, "B·T = 6")
+    raises(lambda: load_balancing_loss_per_layer((), 1), ValueError, "router_logits is empty")
+    raises(lambda: load_balancing_loss_per_layer(logits, 5), ValueError, "top_k=5 exceeds")
 
 
 def test_the_stacked_expert_weights_are_split_once_not_indexed_per_expert():

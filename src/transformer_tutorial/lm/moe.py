@@ -3,9 +3,12 @@
 A router scores every expert for each token and keeps the ``k`` best (:func:`route`); the
 experts, SwiGLU layers stored as stacked matrices (:class:`Experts`), run on the tokens grouped
 by expert, and each token's ``k`` outputs are summed with the router's weights
-(:class:`MixtureOfExperts`, Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``).
-:func:`load_balancing_loss` is the Switch Transformer's auxiliary loss as ``transformers``
-computes it for Qwen3-MoE.
+(:class:`MixtureOfExperts`, Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``). Every token reaches
+all ``k`` of its experts, however many choose the same one: no capacity, no token dropped.
+The auxiliary load-balancing loss (GShard's form, scaled as the Switch Transformer scales it)
+comes two ways: :func:`load_balancing_loss` pools every sparse layer's tokens, as
+``transformers`` computes it for Qwen3-MoE; :func:`load_balancing_loss_per_layer` gives one
+loss per layer, as the papers add it.
 
 Shapes: ``N`` tokens (``B · T`` flattened), ``D`` d_model, ``E`` experts, ``k`` experts per
 token, ``F`` an expert's hidden width.
@@ -162,13 +165,17 @@ class MixtureOfExperts(nn.Module):
 def load_balancing_loss(
     router_logits: Sequence[Tensor], top_k: int, *, padding_mask: Tensor | None = None
 ) -> Tensor:
-    """The Switch Transformer's auxiliary loss, ``E · Σ_e f_e · P_e``, as ``transformers``'
-    ``load_balancing_loss_func`` computes it for Qwen3-MoE.
+    """The auxiliary loss ``E · Σ_e f_e · P_e`` as ``transformers``' ``load_balancing_loss_func``
+    computes it for Qwen3-MoE: the logits of every sparse layer pooled into one set of rows.
 
-    The logits of every sparse layer are pooled (not averaged layer by layer): ``f_e`` is the
-    number of ``top_k`` choices that went to expert ``e`` per token, ``P_e`` the router's mean
-    probability of ``e``. Padding (``padding_mask`` True) counts in neither. The loss is ``k``
-    when routing is uniform, and grows as it concentrates.
+    ``f_e`` is the number of ``top_k`` choices that went to expert ``e`` per token, ``P_e`` the
+    router's mean probability of ``e``; padding (``padding_mask`` True) counts in neither.
+    Pooling lets one layer's imbalance cancel another's (the papers add one loss per layer:
+    :func:`load_balancing_loss_per_layer`). The loss is ``k`` whenever the counts or the
+    probabilities are even, and at most ``E``; it has no floor at ``k``: uneven counts whose
+    probability is parked on idle experts score below it. The softmax runs in float32, as the
+    router's does; ``transformers`` softmaxes bf16 logits in bf16, so the two are equal in
+    float32, and in bf16 ours is the nearer to float64.
 
     Shapes:
         router_logits: one ``(N, E)`` per sparse layer, ``N = B · T``; padding_mask ``(B, T)``.
@@ -197,6 +204,28 @@ def load_balancing_loss(
     f = probs.new_zeros(n_experts).index_add_(0, chosen.flatten(), real.repeat_interleave(top_k))
     p = (probs * real[:, None]).sum(0)
     return n_experts * (f / counted * p / counted).sum()
+
+
+def load_balancing_loss_per_layer(
+    router_logits: Sequence[Tensor], top_k: int, *, padding_mask: Tensor | None = None
+) -> Tensor:
+    """The auxiliary loss of each sparse layer on its own, as the Switch Transformer and
+    GShard add it ("for each Switch layer"): :func:`load_balancing_loss` of one layer's
+    logits, for each layer. The caller adds them to the training loss (times ``α``); a layer
+    that has collapsed scores up to ``E`` whatever the other layers do.
+
+    Shapes:
+        router_logits: one ``(N, E)`` per sparse layer; padding_mask ``(B, T)``, ``B·T = N``
+        → losses ``(L,)``.
+    """
+    if not router_logits:
+        raise ValueError("router_logits is empty: the model has no mixture-of-experts layer")
+    return torch.stack(
+        [
+            load_balancing_loss((logits,), top_k, padding_mask=padding_mask)
+            for logits in router_logits
+        ]
+    )
 
 
 def tokens_per_expert(
