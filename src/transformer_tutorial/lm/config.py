@@ -29,7 +29,8 @@ from transformer_tutorial.norms import NORMS
 POSITIONS = ("learned", "sinusoidal", "rope")
 ATTENTIONS = ("mha", "gqa", "mla")
 # How chapter 16's attention computes softmax(q kᵀ) v: PyTorch's fused kernels, or chapter 22's
-# tiled forward and backward (the same numbers, without the score matrix; a teaching version).
+# tiled forward and backward (without the score matrix: equal in float64; in bf16/fp16 it sums
+# in float32, as FlashAttention does, and is about as accurate; a teaching version).
 ATTENTION_BACKENDS = ("sdpa", "tiled")
 
 # The fields only chapter 16's attention has.
@@ -88,7 +89,9 @@ class LMConfig:
 
     ``attention_backend`` (chapter 22, ``attention="gqa"``, no dropout, no window): ``"sdpa"``
     (PyTorch's fused kernels) or ``"tiled"`` (FlashAttention-2's tiled forward and backward,
-    never building the score matrix; a teaching version, slower). Both give the same numbers.
+    never building the score matrix; a teaching version, slower). Both give the same numbers in
+    float64; in bf16 and fp16 they round differently, the tiled one about as accurately (it
+    accumulates in float32, as FlashAttention does).
     """
 
     vocab_size: int
