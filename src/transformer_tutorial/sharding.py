@@ -87,7 +87,9 @@ def shard_model(
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: Tensor) -> Tensor:
     """One step on ``ids`` ``(B, T)``: the next-token loss (mean over the rows given), backward,
     optimizer step. Returns the loss, detached. Under FSDP2 the reduce-scatter averages the
-    ranks' gradients, so N ranks of B/N rows take the step of one process on B rows."""
+    ranks' gradients, so N ranks of B/N rows take the step of one process on B rows: exactly
+    when N is a power of two, otherwise up to the rounding of the float32 loss (1/(B/N) in
+    float32, divided by N, is not 1/B in float32), which Adam's first steps can enlarge."""
     loss = next_token_loss(model(ids), ids)
     loss.backward()
     optimizer.step()
