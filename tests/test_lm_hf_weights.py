@@ -390,10 +390,21 @@ def test_yarn_reads_past_max_position_embeddings_as_qwen3s_card_enables_it(kind)
             131072,
             131072,
         ),
+        (  # Llama 3.2-1B: 32 × 8,192 = 262,144 is twice its context; vLLM does not multiply
+            dict(
+                rope_type="llama3",
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            131072,
+            131072,
+        ),
         (dict(rope_type="linear", factor=4.0), 40, 40),  # no trained length stated
         (dict(rope_type="default"), 40, 40),
     ],
-    ids=["yarn-past", "yarn-within", "llama3.1", "linear", "default"],
+    ids=["yarn-past", "yarn-within", "llama3.1", "llama3.2", "linear", "default"],
 )
 def test_max_len_is_the_scaled_reach_at_least_max_position_embeddings(
     rope, max_position_embeddings, expected

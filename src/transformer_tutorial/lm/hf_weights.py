@@ -85,7 +85,7 @@ def _rope_settings(parameters: dict | None) -> tuple[float, RopeScaling | None, 
 
 def _max_len(config: PretrainedConfig, scaling: RopeScaling | None, max_len: int | None) -> int:
     """Ours ``max_len``: the caller's, or how far their config reads (:func:`scaled_max_len`:
-    a YaRN or llama3 config past its ``max_position_embeddings``)."""
+    a YaRN config past its ``max_position_embeddings``)."""
     check_optional_int("max_len", max_len, at_least=1)
     return scaled_max_len(config.max_position_embeddings, scaling) if max_len is None else max_len
 

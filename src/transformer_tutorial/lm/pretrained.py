@@ -147,7 +147,7 @@ def load_pretrained(
         dtype: the model's dtype; None keeps the one its tensors are stored in (converted one
             tensor at a time).
         max_len: the positions a rotary model reads (its tables' length); None: the config's
-            ``max_position_embeddings``, or with YaRN or llama3 rope scaling ``factor ×
+            ``max_position_embeddings``, or with YaRN rope scaling ``factor ×
             original_max_position_embeddings`` if longer (as Qwen3's card sets YaRN: 131,072
             positions over a ``max_position_embeddings`` of 40,960). GPT-2's table is fixed.
 

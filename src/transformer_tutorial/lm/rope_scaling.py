@@ -241,13 +241,15 @@ def scaled_frequencies(
 
 
 def scaled_max_len(max_position_embeddings: int, scaling: RopeScaling | None) -> int:
-    """The positions a ``transformers`` config with ``scaling`` is read to: for ``"llama3"``
-    and ``"yarn"`` the length they scale to, ``factor × original_max_position_embeddings`` (as
-    vLLM takes YaRN's), never fewer than ``max_position_embeddings`` (Qwen3's model card
-    enables YaRN to 4 × 32,768 and leaves that at 40,960; transformers reads past it). Other
-    types state no trained length: ``max_position_embeddings``."""
+    """The positions a ``transformers`` config with ``scaling`` is read to: for ``"yarn"`` the
+    length it scales to, ``factor × original_max_position_embeddings``, never fewer than
+    ``max_position_embeddings`` (Qwen3's model card enables YaRN to 4 × 32,768 and leaves that
+    at 40,960; transformers reads past it). As vLLM reads them, other types keep
+    ``max_position_embeddings``: a ``"llama3"`` config states its extended length there already
+    (Llama 3.2-1B: 131,072, where 32 × 8,192 would be twice its context), and ``"linear"``
+    states no trained length."""
     check_int("max_position_embeddings", max_position_embeddings, at_least=1)
-    if scaling is None or scaling.rope_type not in ("llama3", "yarn"):
+    if scaling is None or scaling.rope_type != "yarn":
         return max_position_embeddings
     reach = int(scaling.factor * scaling.original_max_position_embeddings)
     return max(max_position_embeddings, reach)
