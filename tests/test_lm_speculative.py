@@ -1,12 +1,14 @@
 """Chapter 23: speculative decoding gives the target's greedy tokens whatever the draft (another
 model, the target itself, a draft that always disagrees) and any k; the rejection rule makes the
 first emitted tokens' distribution the target's, by exact enumeration in float64 (1e-12), and
-the sampler follows it; a draft of another vocabulary is refused."""
+the sampler follows it for the first two tokens, through the bonus token (k = 1) and a rewind
+after a rejection (k = 2); a draft of another vocabulary is refused."""
 
 from __future__ import annotations
 
 import copy
 import itertools
+from collections import Counter
 
 import pytest
 import torch
@@ -111,23 +113,35 @@ def test_the_rejection_rule_gives_the_targets_distribution_exactly(seed):
     assert (p1 - q1).abs().max() > 0.1  # the draft differs from the target
 
 
-def test_the_sampler_follows_the_rule():
-    """2,000 first tokens sampled with a draft that differs: their frequencies are the target's
-    (within 4 standard errors), not the draft's."""
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_sampler_follows_the_rule(k):
+    """2,000 pairs of tokens sampled with a draft that differs: the frequencies of the 25 pairs
+    are the target's p(x) p(y | x) (within 4.5 standard errors), not the draft's. At k = 1 the
+    second token is the target's bonus token whenever the first proposal is accepted; at k = 2
+    it is the second proposal or its residual, and a rejected first proposal rewinds both
+    caches before the next round."""
     target = _sharp(_model(0, vocab_size=5))
     draft = _sharp(_model(10, vocab_size=5, d_model=16))
-    prompt = torch.tensor([[1, 3]])
-    p, q = _probs(target, [1, 3]), _probs(draft, [1, 3])
+    prompt = [1, 3]
+    p, q = _probs(target, prompt), _probs(draft, prompt)
+    want = torch.stack([p[x] * _probs(target, [*prompt, x]) for x in range(5)])  # (x, y)
+    drafts = torch.stack([q[x] * _probs(draft, [*prompt, x]) for x in range(5)])
     g = torch.Generator().manual_seed(0)
     n = 2000
-    firsts = [
-        int(speculative_generate(target, draft, prompt, 1, k=2, generator=g).ids[0, -1])
+    outs = [
+        speculative_generate(target, draft, torch.tensor([prompt]), 2, k=k, generator=g)
         for _ in range(n)
     ]
-    freq = torch.bincount(torch.tensor(firsts), minlength=5).double() / n
-    error = (p * (1 - p) / n).sqrt()
-    assert ((freq - p).abs() < 4 * error + 1e-9).all(), (freq, p)
-    assert ((freq - q).abs() > 4 * error).any()
+    pairs = torch.tensor([o.ids[0, 2:].tolist() for o in outs])  # (n, 2)
+    freq = torch.bincount(pairs[:, 0] * 5 + pairs[:, 1], minlength=25).double().view(5, 5) / n
+    error = (want * (1 - want) / n).sqrt()
+    assert ((freq - want).abs() < 4.5 * error + 1e-9).all(), (freq, want)
+    assert ((freq - drafts).abs() > 4.5 * error).any()
+    # every branch was taken often: (accepted, target calls) — at k = 1, (1, 1) is the bonus
+    # token; at k = 2, (1, 1) a rejected second proposal and (·, 2) a rejected first one
+    paths = Counter((o.accepted, o.target_calls) for o in outs)
+    branches = {1: [(1, 1), (0, 2), (1, 2)], 2: [(2, 1), (1, 1), (0, 2), (1, 2)]}[k]
+    assert set(paths) == set(branches) and min(paths.values()) > n // 20, paths
 
 
 def test_the_rule_keeps_what_is_likelier_under_the_target():
