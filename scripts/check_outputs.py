@@ -15,7 +15,8 @@ list, as nbval counts them too when it names a failing cell):
    (``torch.finfo``'s eps, tiny and max: they are the same on every machine).
 2. **Every printed line fits the column.** A line of more than 99 characters scrolls sideways on
    the website (the column holds 99 characters, as `tests/test_website.py` checks for sources),
-   and the reader misses its end. Ignored outputs count too: the website shows them.
+   and the reader misses its end; inside a collapsed cell (a solution, tagged ``hide-cell``) the
+   column is narrower and holds 96. Ignored outputs count too: the website shows them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from pathlib import Path
 from book import toc_chapters  # scripts/book.py, beside this file
 
 WIDTH = 99
+HIDDEN_WIDTH = 96  # a hide-cell's toggle box: 730 px at 12 px monospace, measured in Chromium
+HIDDEN_TAGS = {"hide-cell", "hide-input", "hide-output"}
 SMALL = 1e-4
 IGNORE = "# NBVAL_IGNORE_OUTPUT"
 # A number in scientific notation, or a decimal with at least four zeros after the point.
@@ -87,6 +90,8 @@ def problems(notebook: Path) -> list[str]:
         source = "".join(cell["source"])
         checked = not any(line.strip() == IGNORE for line in source.splitlines())
         where = f"{notebook.stem}, cell {index}"
+        hidden = HIDDEN_TAGS & set(cell.get("metadata", {}).get("tags", []))
+        width = HIDDEN_WIDTH if hidden else WIDTH
         for output in cell.get("outputs", []):
             text = output_text(output)
             if checked and (numbers := measured_numbers(source, text)):
@@ -96,9 +101,9 @@ def problems(notebook: Path) -> list[str]:
                     f"{IGNORE})"
                 )
             for line in text.splitlines():
-                if len(line) > WIDTH:
+                if len(line) > width:
                     found.append(
-                        f"{where}: a printed line of {len(line)} characters (at most {WIDTH} "
+                        f"{where}: a printed line of {len(line)} characters (at most {width} "
                         f"fit the website's column): {line[:60]!r}..."
                     )
     return found

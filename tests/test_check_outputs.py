@@ -13,12 +13,14 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_outputs.py"
 
 
-def notebook(tmp_path: Path, source: str, output: str, name: str = "07_example") -> Path:
+def notebook(
+    tmp_path: Path, source: str, output: str, name: str = "07_example", tags: tuple = ()
+) -> Path:
     cell = {
         "cell_type": "code",
         "execution_count": 1,
         "id": "c001",
-        "metadata": {},
+        "metadata": {"tags": list(tags)},
         "source": source.splitlines(keepends=True),
         "outputs": [{"name": "stdout", "output_type": "stream", "text": [output]}],
     }
@@ -78,3 +80,10 @@ def test_an_ignored_cell_may_print_measured_digits_but_not_wide_lines(tmp_path):
 
 def test_a_line_of_99_characters_fits(tmp_path):
     assert run(notebook(tmp_path, "print(s)", "x" * 99 + "\n")).returncode == 0
+
+
+def test_a_collapsed_solution_holds_96(tmp_path):
+    tags = ("hide-cell", "solution")
+    assert run(notebook(tmp_path, "print(s)", "x" * 96 + "\n", tags=tags)).returncode == 0
+    done = run(notebook(tmp_path, "print(s)", "x" * 97 + "\n", tags=tags))
+    assert done.returncode == 1 and "at most 96 fit" in done.stdout
