@@ -62,13 +62,14 @@ chapters: $(VENV)/.installed
 # Portability: another CPU adds in another order (MKL and oneDNN pick their kernels by CPU; a
 # thread count splits every sum differently), and nbval compares stored outputs. Each setting
 # below runs here what another machine would run (settings' variables joined by +):
-#   MKL_CBWR=COMPATIBLE                      MKL's plainest path, the one most unlike this CPU's
+#   MKL_CBWR=COMPATIBLE+CHAPTER_THREADS=2   MKL's plainest path, the one most unlike this
+#                                            CPU's; chapters 0-9 and 12-25 on two threads
 #   MKL_CBWR=AVX2+ONEDNN_MAX_CPU_ISA=AVX2   a machine without AVX-512
 #   OMP_NUM_THREADS=1+TEST_THREADS=2         chapters 10-11 on one thread, the tests on two
 # `make portable` (the unit tests and every chapter under each, ~20 min on 2 cores) before every
 # commit that changes a stored output; `make portable-unit` (the unit tests only, 45 s each) is
 # part of `make test`.
-PORTABLE_SETTINGS := MKL_CBWR=COMPATIBLE MKL_CBWR=AVX2+ONEDNN_MAX_CPU_ISA=AVX2 \
+PORTABLE_SETTINGS := MKL_CBWR=COMPATIBLE+CHAPTER_THREADS=2 MKL_CBWR=AVX2+ONEDNN_MAX_CPU_ISA=AVX2 \
 	OMP_NUM_THREADS=1+TEST_THREADS=2
 # $(call each_setting,TARGETS): make TARGETS under every setting; fails if any failed.
 define each_setting

@@ -100,9 +100,9 @@ def chapters_standalone() -> bool:
         ]  # fmt: skip
         # Two lanes at once. The chapters that share a run, one after the other in order, with
         # the torch threads they were executed with (their trained numbers depend on the
-        # threads' summation order); beside them the rest two at a time, one thread each (their
-        # outputs do not depend on it). Spinning OpenMP threads would steal the cores the other
-        # lane needs: they wait passively.
+        # threads' summation order); beside them the rest two at a time, one thread each, or
+        # CHAPTER_THREADS (`make portable` tries 2: their outputs must not depend on it).
+        # Spinning OpenMP threads would steal the cores the other lane needs: they wait passively.
         ordered = sorted(c for c in copies if Path(c).stem in SHARE_A_CHECKPOINT)
         parallel = [c for c in copies if c not in ordered]
         passive = dict(env, OMP_WAIT_POLICY="PASSIVE")
@@ -119,7 +119,7 @@ def chapters_standalone() -> bool:
         ok = run(
             [*nbval, f"--junitxml={reports[0]}", "-n", "2", "--dist", "loadfile", *parallel],
             cwd=books,
-            env=dict(passive, OMP_NUM_THREADS="1"),
+            env=dict(passive, OMP_NUM_THREADS=os.environ.get("CHAPTER_THREADS", "1")),
         )
         if lane is not None:
             ok = lane.wait() == 0 and ok
