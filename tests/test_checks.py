@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from transformer_tutorial.checks import (
     ArgumentParser,
@@ -12,7 +13,9 @@ from transformer_tutorial.checks import (
     check_choice,
     check_int,
     check_number,
+    check_tensor,
     check_texts,
+    check_type,
     device_arg,
     int_arg,
     number_arg,
@@ -37,7 +40,34 @@ from transformer_tutorial.checks import (
             ValueError,
             "p must be in [0.0, 1.0), got 1.0",
         ),
+        (
+            lambda: check_number("a", math.inf, low=0),
+            ValueError,
+            "a must be at least 0, got inf",
+        ),
+        (
+            lambda: check_number("a", -math.inf, low=-math.inf),
+            ValueError,
+            "a must be at least -inf, got -inf",
+        ),
         (lambda: check_bool("flag", 1), TypeError, "flag must be True or False, got 1"),
+        (lambda: check_type("m", 3, torch.nn.Module, "an nn.Module"), TypeError, "m must be an"),
+        (lambda: check_tensor("x", [1.0]), TypeError, "x must be a Tensor, got list"),
+        (
+            lambda: check_tensor("x", torch.ones(2, dtype=torch.long), kind="float"),
+            TypeError,
+            "x must be a floating-point tensor, got torch.int64",
+        ),
+        (
+            lambda: check_tensor("ids", torch.ones(2, dtype=torch.bool), kind="int"),
+            TypeError,
+            "ids must be an integer tensor, got torch.bool",
+        ),
+        (
+            lambda: check_tensor("x", torch.ones(2), dims=(2, 3), shape="(B, V)"),
+            ValueError,
+            "x must be (B, V), got shape (2,)",
+        ),
         (lambda: check_choice("c", "x", {"b", "a"}), ValueError, "c must be one of ['a', 'b']"),
         (lambda: check_texts("texts", "Hallo"), TypeError, "pass ['Hallo']"),
         (lambda: check_texts("texts", ["a", 2]), TypeError, "texts[1] must be a str, got int"),
@@ -56,6 +86,9 @@ def test_checks_pass_valid_values():
     check_bool("flag", False)
     check_choice("c", "a", ["a"])
     check_texts("texts", ("Hallo", "Welt"))
+    check_type("m", torch.nn.Linear(1, 1), torch.nn.Module, "an nn.Module")
+    check_tensor("x", torch.ones(2, 3, dtype=torch.bfloat16), kind="float", dims=(2, 3))
+    check_tensor("ids", torch.ones(2, dtype=torch.int32), kind="int", dims=1)
 
 
 def parser() -> ArgumentParser:

@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable, Iterable
 from typing import NoReturn
 
+import torch
+
 from transformer_tutorial.runtime import check_device
 
 
@@ -55,7 +57,7 @@ def _out_of_range(
     """What is wrong with ``value`` for the range, or None when it lies inside."""
     below = value <= low if low_open else value < low
     above = value >= high if high_open else value > high
-    if not (math.isnan(value) or below or above):
+    if not (math.isnan(value) or math.isinf(value) or below or above):
         return None
     if math.isinf(high):
         valid = f"{'greater than' if low_open else 'at least'} {low}"
@@ -73,6 +75,47 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> None:
     choices = sorted(choices)
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_type(name: str, value: object, kind: type | tuple[type, ...], what: str) -> None:
+    """``value`` must be an instance of ``kind``, which ``what`` names ("an nn.Module")."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+
+
+# What each kind of tensor check_tensor accepts, and its name in an error.
+_TENSOR_KINDS = {
+    "float": (lambda dtype: dtype.is_floating_point, "a floating-point tensor"),
+    "int": (
+        lambda dtype: not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool,
+        "an integer tensor",
+    ),
+    "bool": (lambda dtype: dtype == torch.bool, "a bool tensor"),
+}
+
+
+def check_tensor(
+    name: str,
+    value: object,
+    *,
+    kind: str | None = None,
+    dims: int | tuple[int, ...] | None = None,
+    shape: str = "",
+) -> None:
+    """``value`` must be a Tensor; of ``kind`` (``"float"``, ``"int"`` or ``"bool"``) if given;
+    with ``dims`` dimensions (or one of them) if given, ``shape`` naming them (``"(B, V)"``).
+    Reads nothing back from the device."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a Tensor{' ' + shape if shape else ''}, got {type(value).__name__}"
+        )
+    if kind is not None:
+        accepts, what = _TENSOR_KINDS[kind]
+        if not accepts(value.dtype):
+            raise TypeError(f"{name} must be {what}, got {value.dtype}")
+    if dims is not None and value.dim() not in ((dims,) if isinstance(dims, int) else dims):
+        wanted = shape or f"{dims} dimensions"
+        raise ValueError(f"{name} must be {wanted}, got shape {tuple(value.shape)}")
 
 
 def check_texts(name: str, texts: object) -> None:
