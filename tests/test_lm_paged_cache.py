@@ -12,6 +12,7 @@ from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.paged_cache import (
     BlockAllocator,
+    Scheduler,
     continuous_greedy,
     greedy_with_cache,
     paged_cache,
@@ -86,6 +87,58 @@ def test_continuous_batching_stops_a_request_at_eos():
     assert got[1] == free[1][:stop]
 
 
+@pytest.mark.parametrize("n_blocks", [6, 10])
+def test_a_pool_too_small_for_all_finishes_them_all_by_preempting(n_blocks):
+    """The seven requests above in 6 blocks (the largest request alone) or 10: the scheduler
+    admits by free blocks and preempts (recomputing later) instead of failing; each request
+    still gets its tokens alone."""
+    model = _model("llama", 3)
+    g = torch.Generator().manual_seed(4)
+    lengths, budgets = [5, 1, 9, 3, 7, 2, 4], [17, 6, 2, 11, 9, 14, 5]
+    prompts = [torch.randint(0, 50, (n,), generator=g).tolist() for n in lengths]
+    scheduler = Scheduler(model, max_batch=7, n_blocks=n_blocks, block_size=4)
+    got = scheduler.run(prompts, budgets)
+    for prompt, n, tokens in zip(prompts, budgets, got, strict=True):
+        alone = generate(model, torch.tensor([prompt]), n, greedy=True)[0, len(prompt) :]
+        assert tokens == alone.tolist()
+    assert scheduler.preemptions > 0
+    assert len(scheduler.allocator.free) == n_blocks  # every block given back
+
+
+def test_any_pool_that_fits_the_largest_request_loses_no_work():
+    """Random requests (lengths, budgets, order), batch limits, block sizes and pools from the
+    largest request alone upwards: every request gets the tokens generate() gives it alone."""
+    model = _model("qwen3", 6)
+    g = torch.Generator().manual_seed(7)
+    preempted = 0
+    for _ in range(12):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        lengths = torch.randint(1, 12, (n,), generator=g).tolist()
+        budgets = torch.randint(0, 20, (n,), generator=g).tolist()
+        prompts = [torch.randint(0, 50, (k,), generator=g).tolist() for k in lengths]
+        block_size = int(torch.randint(1, 7, (1,), generator=g))
+        held = [k + b - 1 for k, b in zip(lengths, budgets, strict=True)]
+        largest = max(1, *(-(-h // block_size) for h in held))
+        n_blocks = largest + int(torch.randint(0, 2 * largest, (1,), generator=g))
+        max_batch = int(torch.randint(1, n + 1, (1,), generator=g))
+        scheduler = Scheduler(model, max_batch=max_batch, n_blocks=n_blocks, block_size=block_size)
+        got = scheduler.run(prompts, budgets)
+        for prompt, b, tokens in zip(prompts, budgets, got, strict=True):
+            alone = generate(model, torch.tensor([prompt]), b, greedy=True)[0, len(prompt) :]
+            assert tokens == alone.tolist()
+        assert len(scheduler.allocator.free) == n_blocks
+        preempted += scheduler.preemptions
+    assert preempted > 0  # the cases exercised preemption
+
+
+def test_a_block_size_need_not_divide_max_len():
+    model = _model("llama", 2)
+    prompt = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(2))
+    want = generate(model, prompt, 44, greedy=True)  # 47 positions cached: max_len 48
+    paged = paged_cache(model, 2, n_blocks=20, block_size=5)  # 10 blocks a row, the last part-full
+    assert torch.equal(greedy_with_cache(model, prompt, 44, paged), want)
+
+
 def test_blocks_are_given_back():
     allocator = BlockAllocator(4, 2)
     assert allocator.reserve(7, 3) == [0, 1]
@@ -95,10 +148,22 @@ def test_blocks_are_given_back():
     assert allocator.reserve(7, 5) == [0, 1, 2]
 
 
+def _greedy(prompts, budgets, *, max_batch=2, n_blocks=4, block_size=4, eos_id=None):
+    """A call of continuous_greedy on the model it is given, for the bad-input table."""
+    return lambda m: continuous_greedy(
+        m,
+        prompts,
+        budgets,
+        max_batch=max_batch,
+        n_blocks=n_blocks,
+        block_size=block_size,
+        eos_id=eos_id,
+    )
+
+
 @pytest.mark.parametrize(
     "call, error, phrase",
     [
-        (lambda m: paged_cache(m, 1, n_blocks=4, block_size=5), ValueError, "block_size=5 must"),
         (lambda m: paged_cache(m, 1, n_blocks=4, block_size=0), ValueError, "block_size must be"),
         (lambda m: paged_cache(m, 1, n_blocks=0, block_size=4), ValueError, "n_blocks must be"),
         (
@@ -106,6 +171,13 @@ def test_blocks_are_given_back():
             ValueError,
             "must pair up",
         ),
+        (_greedy([[1, 2]], [-1]), ValueError, "max_new_tokens[0] must be at least 0"),
+        (_greedy([[1], []], [2, 2]), ValueError, "prompts[1] is empty"),
+        (_greedy([[1, 50]], [2]), ValueError, "prompts[0] holds a token outside 0 … 49"),
+        (_greedy([[1]], [2], eos_id=50), ValueError, "eos_id=50 is outside the vocabulary"),
+        (_greedy([[1]], [2], max_batch=0), ValueError, "max_batch must be at least 1"),
+        (_greedy([[1], [2] * 40], [2, 10]), ValueError, "request 1 needs 49 positions"),
+        (_greedy([[1] * 10], [8], n_blocks=4), ValueError, "more than the whole pool holds"),
     ],
 )
 def test_bad_input_is_refused_by_name(call, error, phrase):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from transformer_tutorial.checks import check_int
+from transformer_tutorial.checks import check_int, check_optional_int
 from transformer_tutorial.lm.cache import LMCache
 from transformer_tutorial.lm.model import LanguageModel
 
@@ -166,11 +166,6 @@ def paged_cache(
     check_int("n_blocks", n_blocks, at_least=1)
     check_int("block_size", block_size, at_least=1)
     check_int("batch_size", batch_size, at_least=1)
-    if model.config.max_len % block_size:
-        raise ValueError(
-            f"block_size={block_size} must divide the model's max_len={model.config.max_len}, "
-            f"so that a sequence's blocks end where the model does"
-        )
     if model.config.window is not None:
         raise ValueError("the paged cache keeps every position: it takes no sliding window")
     allocator = BlockAllocator(n_blocks, block_size) if allocator is None else allocator
@@ -207,7 +202,152 @@ def _rows(cache: LMCache, seqs: Sequence[int], lengths: Sequence[int]) -> LMCach
     return LMCache(layers)
 
 
-@torch.no_grad()
+class Scheduler:
+    """Continuous batching over one paged pool that never loses work (vLLM's scheduler, less
+    swapping and chunked prefill).
+
+    - **Admission**: a waiting request joins, first come first served, when fewer than
+      ``max_batch`` rows run and the free blocks cover its prompt and next token *after* the
+      running rows' blocks for their next step (a watermark of exactly one step).
+    - **Preemption by recomputation**: when the running rows' next step needs more blocks than
+      are free, the request that joined last gives its blocks back and returns to the head of
+      the queue with the tokens it has; when it joins again its prompt and those tokens are
+      filled anew, so it goes on exactly where it stopped.
+    - A request longer than the model's ``max_len`` or than the whole pool is refused before any
+      decoding.
+
+    :meth:`run` returns each request's new tokens; ``preemptions`` and ``steps`` count the
+    preemptions and the batched decoding steps of the last run.
+    """
+
+    def __init__(
+        self,
+        model: LanguageModel,
+        *,
+        max_batch: int,
+        n_blocks: int,
+        block_size: int,
+        eos_id: int | None = None,
+    ) -> None:
+        _check_grouped(model)
+        if model.config.positions != "rope":
+            raise ValueError("continuous batching needs positions='rope' (per-row position ids)")
+        check_int("max_batch", max_batch, at_least=1)
+        check_optional_int("eos_id", eos_id, at_least=0)
+        if eos_id is not None and eos_id >= model.config.vocab_size:
+            raise ValueError(
+                f"eos_id={eos_id} is outside the vocabulary of {model.config.vocab_size} tokens"
+            )
+        self.model, self.max_batch, self.eos_id = model, max_batch, eos_id
+        self.pools = paged_cache(model, 1, n_blocks=n_blocks, block_size=block_size)
+        self.allocator: BlockAllocator = self.pools.layers[0].allocator
+        self.preemptions = self.steps = 0
+
+    @torch.no_grad()
+    def run(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]
+    ) -> list[list[int]]:
+        """Greedy continuations of every prompt, ``max_new_tokens[i]`` tokens each (fewer if
+        one is ``eos_id``), in the order of ``prompts``."""
+        self._check_requests(prompts, max_new_tokens)
+        self.prompts, self.budgets = [list(p) for p in prompts], list(max_new_tokens)
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.waiting = [r for r in range(len(prompts)) if self.budgets[r] > 0]
+        self.running: dict[int, int] = {}  # request → positions it holds (all but its last token)
+        self.preemptions = self.steps = 0
+        while self.waiting or self.running:
+            self._admit()
+            self._preempt()
+            self._step()
+        return self.out
+
+    def _blocks(self, positions: int) -> int:
+        return -(-positions // self.allocator.block_size)
+
+    def _growth(self) -> int:
+        """Blocks the running rows take in their next step."""
+        tables = self.allocator.tables
+        return sum(max(0, self._blocks(n + 1) - len(tables[r])) for r, n in self.running.items())
+
+    def _admit(self) -> None:
+        """1) join: fill prompts (and tokens already decoded, after a preemption) on their own."""
+        while self.waiting and len(self.running) < self.max_batch:
+            r = self.waiting[0]
+            held = len(self.prompts[r]) + len(self.out[r])  # positions its filling writes
+            last = len(self.prompts[r]) + self.budgets[r] - 1  # the most it ever holds
+            needs = self._blocks(min(held + 1, last)) + self._growth()
+            if needs > len(self.allocator.free):
+                return
+            self.waiting.pop(0)
+            ids = torch.tensor([self.prompts[r] + self.out[r]], device=self._device)
+            logits, _ = self.model.step(ids, _rows(self.pools, [r], [0]))
+            self.out[r].append(int(logits[0, -1].argmax()))
+            self.running[r] = held
+            self._leave_if_finished(r)
+
+    def _preempt(self) -> None:
+        """2) give the blocks of the latest joined request back while the next step lacks them."""
+        while self._growth() > len(self.allocator.free):
+            r = next(reversed(self.running))  # the one that joined last
+            del self.running[r]
+            self.allocator.release(r)
+            self.waiting.insert(0, r)
+            self.preemptions += 1
+
+    def _step(self) -> None:
+        """3) one step of every running row together; finished requests leave."""
+        if not self.running:
+            return
+        device = self._device
+        seqs, lengths = list(self.running), list(self.running.values())
+        S = max(lengths) + 1
+        real = torch.arange(S, device=device) < torch.tensor(lengths, device=device)[:, None] + 1
+        last = torch.tensor([[self.out[r][-1]] for r in seqs], device=device)  # (B, 1)
+        logits, _ = self.model.step(last, _rows(self.pools, seqs, lengths), padding_mask=~real)
+        self.steps += 1
+        for r, token in zip(seqs, logits[:, -1].argmax(-1).tolist(), strict=True):
+            self.out[r].append(token)
+            self.running[r] += 1
+            self._leave_if_finished(r)
+
+    def _leave_if_finished(self, r: int) -> None:
+        tokens = self.out[r]
+        if len(tokens) >= self.budgets[r] or tokens[-1] == self.eos_id:
+            del self.running[r]
+            self.allocator.release(r)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.pools.layers[0].pool_k.device
+
+    def _check_requests(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]
+    ) -> None:
+        if len(prompts) != len(max_new_tokens):
+            raise ValueError(
+                f"prompts ({len(prompts)}) and max_new_tokens ({len(max_new_tokens)}) must pair up"
+            )
+        V, max_len = self.model.config.vocab_size, self.model.config.max_len
+        pool = self.allocator.n_blocks * self.allocator.block_size
+        for i, (prompt, budget) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            check_int(f"max_new_tokens[{i}]", budget, at_least=0)
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{i}] is empty: a request needs at least one token")
+            if not all(isinstance(t, int) and 0 <= t < V for t in prompt):
+                raise ValueError(f"prompts[{i}] holds a token outside 0 … {V - 1}")
+            held = len(prompt) + budget - 1  # the last new token is never cached
+            if budget and held > max_len:
+                raise ValueError(
+                    f"request {i} needs {held} positions ({len(prompt)} prompt + {budget} new "
+                    f"- 1), more than the model's max_len={max_len}"
+                )
+            if budget and held > pool:
+                raise ValueError(
+                    f"request {i} needs {held} positions, more than the whole pool holds "
+                    f"({self.allocator.n_blocks} blocks of {self.allocator.block_size})"
+                )
+
+
 def continuous_greedy(
     model: LanguageModel,
     prompts: Sequence[Sequence[int]],
@@ -219,9 +359,11 @@ def continuous_greedy(
     eos_id: int | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of every prompt, decoded ``max_batch`` at a time with continuous
-    batching: a request joins as soon as a row is free (its prompt filled on its own, into its
-    blocks), every running row then takes one step together, and a request leaves (its blocks
-    freed) when it has its ``max_new_tokens[i]`` tokens or produces ``eos_id``.
+    batching (:class:`Scheduler`): a request joins as soon as a row and the blocks it needs are
+    free (its prompt filled on its own, into its blocks), every running row then takes one step
+    together, and a request leaves (its blocks freed) when it has its ``max_new_tokens[i]``
+    tokens or produces ``eos_id``. When the pool runs short, the request that joined last is
+    preempted and recomputed later: no work is lost.
 
     Rows of different lengths are one batch: each row's keys end at its own length, the
     positions after it are masked as padding, and the rotary position of a row's new token is
@@ -229,45 +371,7 @@ def continuous_greedy(
 
     Returns each request's new tokens, in the order of ``prompts``.
     """
-    _check_grouped(model)
-    if model.config.positions != "rope":
-        raise ValueError("continuous batching needs positions='rope' (per-row position ids)")
-    check_int("max_batch", max_batch, at_least=1)
-    if len(prompts) != len(max_new_tokens):
-        raise ValueError(
-            f"prompts ({len(prompts)}) and max_new_tokens ({len(max_new_tokens)}) must pair up"
-        )
-    device = model.lm_head.weight.device
-    pools = paged_cache(model, 1, n_blocks=n_blocks, block_size=block_size)
-    allocator = pools.layers[0].allocator
-    waiting = list(range(len(prompts)))
-    out: list[list[int]] = [[] for _ in prompts]
-    running: dict[int, int] = {}  # request → its length in the cache (all but its last token)
-    while waiting or running:
-        while waiting and len(running) < max_batch:  # 1) join: fill the prompt on its own
-            r = waiting.pop(0)
-            if max_new_tokens[r] == 0:
-                continue
-            ids = torch.tensor([list(prompts[r])], device=device)
-            logits, _ = model.step(ids, _rows(pools, [r], [0]))
-            out[r].append(int(logits[0, -1].argmax()))
-            running[r] = ids.size(1)
-        done = [r for r in running if _finished(out[r], max_new_tokens[r], eos_id)]
-        for r in done:  # 2) leave: give the blocks back
-            del running[r]
-            allocator.release(r)
-        if not running or (len(running) < max_batch and waiting):
-            continue
-        seqs, lengths = list(running), [running[r] for r in running]
-        S = max(lengths) + 1
-        real = torch.arange(S, device=device) < torch.tensor(lengths, device=device)[:, None] + 1
-        last = torch.tensor([[out[r][-1]] for r in seqs], device=device)  # (B, 1)
-        logits, _ = model.step(last, _rows(pools, seqs, lengths), padding_mask=~real)
-        for r, token in zip(seqs, logits[:, -1].argmax(-1).tolist(), strict=True):  # 3) a step
-            out[r].append(token)
-            running[r] += 1
-    return out
-
-
-def _finished(tokens: list[int], budget: int, eos_id: int | None) -> bool:
-    return len(tokens) >= budget or (eos_id is not None and tokens[-1] == eos_id)
+    scheduler = Scheduler(
+        model, max_batch=max_batch, n_blocks=n_blocks, block_size=block_size, eos_id=eos_id
+    )
+    return scheduler.run(prompts, max_new_tokens)
