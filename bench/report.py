@@ -173,6 +173,14 @@ def print_paged_table(paged: dict) -> None:
             f"{shape:<18}{blocks:>10}{r['preallocated_ms']:>13.1f}{r['paged_ms']:>10.1f}"
             f"{r['ratio']:>7.2f}  {_same(r['same_tokens'])}"
         )
+    b = paged.get("batching")
+    if b:
+        print(
+            f"continuous batching, {b['requests']} requests ({b['new_tokens']} new tokens): "
+            f"{b['batched_tokens_per_s']:.1f} tokens/s batched vs "
+            f"{b['one_by_one_tokens_per_s']:.1f} one by one, speed-up {b['speedup']:.2f} "
+            f"(goal >= 2)  {_same(b['same_tokens'])}"
+        )
 
 
 def print_tiled_table(tiled: dict) -> None:

@@ -14,6 +14,10 @@ what they are, bracket the speed-up:
 - ``first_layers``: the target's own first layers, with its embedding, final norm and output
   layer (an early exit, as LayerSkip drafts): it shares the target's weights, costs a share of
   each target step, and with random weights agrees with it hardly ever.
+- ``prompt_lookup``: no model at all: the tokens that followed the text's last n-gram the time
+  before (:func:`~transformer_tutorial.lm.prompt_lookup.prompt_lookup_generate`, up to
+  :data:`LOOKUP_K` a round). A proposal costs nothing; it is accepted where the target repeats
+  text it has produced, as these random weights do once they fall into a loop.
 
 Greedy speculative decoding gives the target's greedy tokens whatever the draft proposes: the
 tokens are asserted equal to plain decoding's before any timing.
@@ -32,6 +36,7 @@ from bench.llama import MODELS
 from bench.timing import interleaved
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.prompt_lookup import prompt_lookup_generate
 from transformer_tutorial.lm.sampling import generate
 from transformer_tutorial.lm.speculative import speculative_generate
 
@@ -43,7 +48,9 @@ DRAFTS = {
     "shares nothing with the target",
     "first_layers": "the target's first {layers} of {n_layers} layers, with its embedding, final "
     "norm and output layer (an early exit)",
+    "prompt_lookup": "no model: what followed the text's last 3-gram (or 2, 1) the time before",
 }
+LOOKUP_K = 8  # tokens prompt lookup proposes a round at most: they cost nothing to propose
 
 
 def copy_draft(target: LanguageModel, width: int) -> LanguageModel:
@@ -88,6 +95,7 @@ def _fns(
     fns = {PLAIN: lambda: generate(target, prompt, n, greedy=True)}
     for name, draft in drafts.items():
         fns[name] = lambda d=draft: speculative_generate(target, d, prompt, n, k=k, greedy=True)
+    fns["prompt_lookup"] = lambda: prompt_lookup_generate(target, prompt, n, k=LOOKUP_K)
     return fns
 
 
@@ -110,15 +118,15 @@ def bench_speculative(s: Settings, device: torch.device) -> dict:
     plain = fns[PLAIN]()
     new = plain[0, prompt_len - 1 :]  # the prompt's last token, then the generated ones
     repeat_rate = (new[1:] == new[:-1]).double().mean().item()
-    outs = {name: fns[name]() for name in drafts}
+    outs = {name: fns[name]() for name in [*drafts, "prompt_lookup"]}
     timed = interleaved(fns, s.llama_repeats, s.warmup_after_check(), device)
     rows = []
     for name, out in outs.items():
         row = {
             "draft": name,
             "draft_is": DRAFTS[name].format(width=width, layers=layers, n_layers=config.n_layers),
-            "draft_weights": drafts[name].num_parameters(),
-            "k": s.draft_k,
+            "draft_weights": drafts[name].num_parameters() if name in drafts else 0,
+            "k": s.draft_k if name in drafts else LOOKUP_K,
             "acceptance_rate": out.acceptance_rate,
             "target_calls": out.target_calls,
             "plain_ms": 1e3 * timed[PLAIN]["median_s"],
@@ -131,7 +139,7 @@ def bench_speculative(s: Settings, device: torch.device) -> dict:
         assert row["same_tokens"], f"speculative decoding with the {name} draft changed tokens"
         rows.append(row)
         print(
-            f"  {name:<12} draft ({row['draft_weights']:,} weights), k={s.draft_k}: accepted "
+            f"  {name:<13} draft ({row['draft_weights']:,} weights), k={row['k']}: accepted "
             f"{row['acceptance_rate']:.0%}, {row['target_calls']} target calls for {n} tokens; "
             f"{row['speculative_ms']:8.1f} ms vs plain {row['plain_ms']:8.1f} ms  speed-up "
             f"{row['speedup']:.2f}  (tokens the same)",

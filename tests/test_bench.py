@@ -151,20 +151,22 @@ def _check_mla(results: dict, out: str) -> None:
 
 
 def _check_speculative(results: dict, out: str) -> None:
-    """Section 9: both drafts gave the target's greedy tokens; each row says what its draft is
-    and how often it was accepted; the table prints a line a draft."""
+    """Section 9: both drafts and prompt lookup gave the target's greedy tokens; each row says
+    what its draft is and how often it was accepted; the table prints a line a draft."""
     spec = results["speculative"]
     assert (spec["config"], spec["batch"], spec["new_tokens"]) == ("tiny", 1, 8)
     assert 0 <= spec["target_repeat_rate"] <= 1
-    assert [r["draft"] for r in spec["rows"]] == ["copy", "first_layers"]
+    assert [r["draft"] for r in spec["rows"]] == ["copy", "first_layers", "prompt_lookup"]
+    assert [r["k"] for r in spec["rows"]] == [2, 2, 8]
+    assert spec["rows"][2]["draft_weights"] == 0
     for r in spec["rows"]:
-        assert r["same_tokens"] and r["k"] == 2 and 0 <= r["acceptance_rate"] <= 1
+        assert r["same_tokens"] and 0 <= r["acceptance_rate"] <= 1
         assert 1 <= r["target_calls"] <= 8 and r["draft_is"]
         assert r["speedup"] == pytest.approx(r["plain_ms"] / r["speculative_ms"])
     assert "shares nothing with the target" in spec["rows"][0]["draft_is"]
     table = out[out.index("speculative decoding, speed-up over plain greedy") :].splitlines()
-    assert [line.split()[0] for line in table[2:4]] == ["copy", "first_layers"]
-    assert all(line.endswith("same") for line in table[2:4])
+    assert [line.split()[0] for line in table[2:5]] == ["copy", "first_layers", "prompt_lookup"]
+    assert all(line.endswith("same") for line in table[2:5])
 
 
 def _check_paged(results: dict, out: str) -> None:
@@ -177,6 +179,12 @@ def _check_paged(results: dict, out: str) -> None:
         assert r["ratio"] == pytest.approx(r["paged_ms"] / r["preallocated_ms"])
     table = out[out.index("paged cache's overhead") :].splitlines()
     assert all(line.endswith("same") for line in table[2:4])
+    b = results["paged"]["batching"]
+    assert b["requests"] == 16 and b["same_tokens"]
+    assert len(b["prompt_lengths"]) == len(b["budgets"]) == 16
+    assert b["new_tokens"] == sum(b["budgets"])
+    assert b["speedup"] == pytest.approx(b["one_by_one_s"] / b["batched_s"])
+    assert table[4].startswith("continuous batching, 16 requests") and table[4].endswith("same")
 
 
 def _check_tiled(results: dict, out: str) -> None:
