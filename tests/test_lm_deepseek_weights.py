@@ -3,7 +3,10 @@ into theirs) give the same logits for a left-padded batch of max_len (3x YaRN's 
 length) and the same greedy tokens as generate() through our cache of latents, plain and
 left-padded, in float32 in eval mode, for test_latent_attention's configs (q_lora_rank set and
 unset, both rotary layouts, YaRN, tied embeddings); every weight there and back exactly; their
-configs we cannot map refused by name."""
+configs we cannot map refused by name. The same for DeepSeek-V3 with its mixture of experts
+after first_k_dense_replace dense layers (1 or 2 of 3; groups, shared experts, scaling, random
+correction biases): logits, cached greedy == generate(), every weight and bias there and back,
+the configs both ways (bf16: the block, in test_lm_moe.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from transformer_tutorial.lm.deepseek_weights import (
     lm_config_from_deepseek_v3,
 )
 from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.moe import DeepSeekMoE
 from transformer_tutorial.lm.sampling import generate
 
 RTOL = 1e-5
@@ -118,7 +122,7 @@ def test_their_configs_we_cannot_map_are_refused_by_name():
     hf = deepseek_v3_config(config())
     assert lm_config_from_deepseek_v3(hf) == config()
     for key, value, phrase in (
-        ("first_k_dense_replace", 1, "mixture of experts is not mapped"),
+        ("first_k_dense_replace", None, "first_k_dense_replace must be an int >= 0"),
         ("num_key_value_heads", 2, "num_key_value_heads=2 must equal"),
         ("qk_head_dim", 15, "qk_head_dim=15 must be qk_nope_head_dim + qk_rope_head_dim"),
         ("attention_bias", True, "attention_bias=True"),
@@ -152,3 +156,136 @@ def test_configs_map_both_ways(name):
             # YaRN's mscale grows the scores: test_lm_hf_weights' relative 1e-4 (SCALED_RTOL);
             # 6 seeds under 3 MKL code paths used at most 12 % of the tolerance.
             torch.testing.assert_close(longer(ids), expected, atol=LOGITS_ATOL, rtol=1e-4)
+
+
+# Mixtures after first_k_dense_replace dense layers: (changes to config(), dense layers).
+MIXED = {
+    "1-dense-2-of-4-groups": dict(
+        n_experts=8,
+        n_experts_per_token=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        dense_layers=(0,),
+    ),
+    "2-dense-one-group-unnormed": dict(
+        n_experts=6,
+        n_experts_per_token=2,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+        dense_layers=(0, 1),
+    ),
+}
+
+
+def mixed(name: str) -> LMConfig:
+    return config(**MIXED[name], router="sigmoid", moe_d_ff=12)
+
+
+def with_biases(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every correction bias (theirs e_score_correction_bias, ours correction_bias) random."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_a_mixed_deepseek_v3_gives_their_logits(name):
+    """Dense layers first, then DeepSeek's mixtures with random correction biases: every
+    real position of a left-padded batch."""
+    ours_config = mixed(name)
+    ref = with_biases(theirs(ours_config, seed=10), 10)
+    assert type(ref.model.layers[-1].mlp).__name__ == "DeepseekV3MoE"
+    ours = LanguageModel(ours_config).eval()
+    copy_from_deepseek_v3(ours, ref)
+    assert isinstance(ours.layers[-1].ff, DeepSeekMoE)
+    ids, padding = left_padded(10)
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=(~padding).long()).logits
+        logits = ours(ids, padding_mask=padding)
+    real = ~padding
+    assert expected.abs().max() > 1.0
+    torch.testing.assert_close(logits[real], expected[real], atol=LOGITS_ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_a_mixed_model_copied_there_and_back_keeps_every_weight_and_bias(name):
+    ours = with_biases(randomized(LanguageModel(mixed(name)), 11), 11)
+    ref, back = theirs(ours.config), LanguageModel(ours.config)
+    copy_to_deepseek_v3(ours, ref)
+    ids = left_padded(11)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(ref(ids).logits, ours(ids), atol=LOGITS_ATOL, rtol=RTOL)
+    copy_from_deepseek_v3(back, ref)
+    mine, again = ours.state_dict(), back.state_dict()
+    assert mine.keys() == again.keys() and all(torch.equal(mine[k], again[k]) for k in mine)
+    # every weight and bias of theirs has a pair; their gate_up_proj is our two, a mixture
+    mixtures = ours.config.n_layers - len(ours.config.dense_layers)
+    assert len(mine) == len(ref.state_dict()) + mixtures
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_mixed_greedy_generation_with_our_cache_equals_their_generate(name):
+    ours_config = mixed(name)
+    ref = with_biases(theirs(ours_config, seed=12), 12)
+    ours = LanguageModel(ours_config).eval()
+    copy_from_deepseek_v3(ours, ref)
+    prompt = left_padded(12)[0][:, :8]
+    expected = ref.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=T - 8,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    assert torch.equal(generate(ours, prompt, T - 8, greedy=True), expected)
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_mixed_configs_map_both_ways(name):
+    ours = mixed(name)
+    theirs_config = deepseek_v3_config(ours)
+    assert theirs_config.first_k_dense_replace == len(ours.dense_layers)
+    assert lm_config_from_deepseek_v3(theirs_config, max_len=ours.max_len) == ours
+
+
+def test_mixtures_deepseek_has_no_equivalent_of_are_refused_by_name():
+    base = MIXED["1-dense-2-of-4-groups"] | dict(moe_d_ff=12)
+    for changes, phrase in (
+        (
+            dict(
+                router="softmax",
+                n_group=1,
+                topk_group=1,
+                n_shared_experts=0,
+                routed_scaling_factor=1.0,
+            ),
+            "router='sigmoid'",
+        ),
+        (dict(router="sigmoid", dense_layers=(1,)), "dense_layers=(0,)"),
+        (dict(router="sigmoid", sparse_step=2), "sparse_step=1"),
+    ):
+        raises(lambda c=changes: deepseek_v3_config(config(**(base | c))), ValueError, phrase)
+    wrong = deepseek_v3_config(mixed("1-dense-2-of-4-groups"))
+    wrong.n_group = 3
+    raises(lambda: lm_config_from_deepseek_v3(wrong), ValueError, "n_group=3 must divide")
+    ref = theirs(mixed("2-dense-one-group-unnormed"))
+    other = config(
+        **(MIXED["2-dense-one-group-unnormed"] | dict(routed_scaling_factor=2.5)),
+        router="sigmoid",
+        moe_d_ff=12,
+    )
+    raises(
+        lambda: copy_from_deepseek_v3(LanguageModel(other), ref),
+        ValueError,
+        "routed_scaling_factor: ours 2.5, theirs 1.5",
+    )

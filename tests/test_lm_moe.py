@@ -5,14 +5,20 @@ the load-balancing loss equals load_balancing_loss_func with and without padding
 counts are even, falls below k with idle experts, and in bf16 stays nearer float64 than theirs;
 the per-layer loss equals a hand computation, layer by layer; the model's router logits reach the
 caller and the loss trains the router; bad input is refused by name.
-(Whole models against Qwen3MoeForCausalLM: test_lm_moe_weights.py.)"""
+DeepSeek-V3's block equals DeepseekV3MoE (outputs, router logits, chosen experts and weights) for
+one group and several, fewer groups kept than there are, norm_topk_prob both ways, scaling
+factors other than 1, a correction bias that changes the choice, ties, and bf16; the groups
+ranked by their two best scores by hand; the bias update by hand.
+(Whole models against Qwen3MoeForCausalLM: test_lm_moe_weights.py; against
+DeepseekV3ForCausalLM: test_lm_deepseek_weights.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen3MoeConfig
+from transformers import DeepseekV3Config, Qwen3MoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeSparseMoeBlock,
     load_balancing_loss_func,
@@ -20,14 +26,18 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 from helpers import lm_config, raises, randomized, to_device
 from transformer_tutorial.lm.config import QWEN3, LMConfig
+from transformer_tutorial.lm.deepseek_weights import copy_block_to_deepseek_v3
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.moe import (
+    DeepSeekMoE,
     Experts,
     MixtureOfExperts,
+    group_limited_route,
     load_balancing_loss,
     load_balancing_loss_per_layer,
     route,
     tokens_per_expert,
+    update_correction_bias,
 )
 
 D, F_, B, T = 16, 12, 3, 7
@@ -337,3 +347,217 @@ def test_the_stacked_expert_weights_are_split_once_not_indexed_per_expert():
             stack.extend(next_node for next_node, _ in node.next_functions)
     names = {type(node).__name__ for node in seen}
     assert "UnbindBackward0" in names and "SelectBackward0" not in names
+
+
+# DeepSeek-V3's mixture (n_experts, top_k, n_group, topk_group, norm_topk_prob, routed scaling,
+# shared experts): one group; groups all kept; fewer groups kept than there are (2 of 4, 1 of 3);
+# top_k = E; no renormalisation; scaling factors 1, 1.5, 2.5 (DeepSeek-V3's).
+DEEPSEEK_SHAPES = {
+    "one-group": (8, 2, 1, 1, True, 1.0, 1),
+    "2-of-4-groups": (8, 3, 4, 2, True, 2.5, 2),
+    "1-of-3-groups-unnormed": (12, 4, 3, 1, False, 1.5, 1),
+    "all-4-groups-unnormed": (16, 4, 4, 4, False, 2.5, 1),
+    "k-is-E": (6, 6, 1, 1, True, 2.5, 1),
+}
+
+
+def deepseek_pair(name: str, seed: int = 0, *, bias_scale: float = 0.3):
+    """Their DeepseekV3MoE with random weights and a random correction bias (``bias_scale``),
+    and ours with the same weights, copied by ``copy_block_to_deepseek_v3``."""
+    n_experts, top_k, n_group, topk_group, norm, scale, shared = DEEPSEEK_SHAPES[name]
+    config = DeepseekV3Config(
+        hidden_size=D,
+        moe_intermediate_size=F_,
+        n_routed_experts=n_experts,
+        num_experts_per_tok=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scale,
+        n_shared_experts=shared,
+    )
+    theirs = randomized(DeepseekV3MoE(config), seed)
+    ours = DeepSeekMoE(
+        D,
+        F_,
+        n_experts,
+        top_k,
+        n_shared_experts=shared,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scale,
+    ).eval()
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        ours.correction_bias.copy_(bias_scale * torch.randn(n_experts, generator=g))
+        for p in ours.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    copy_block_to_deepseek_v3(ours, theirs)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name", DEEPSEEK_SHAPES)
+def test_deepseek_block_equals_deepseek_v3_moe(name, device):
+    """Outputs, router logits and the chosen experts and weights, float32, 1e-5."""
+    ours, theirs = to_device(deepseek_pair(name), device)
+    hidden = x().to(device)
+    with torch.no_grad():
+        got, logits = ours.forward_with_router_logits(hidden)
+        their_logits, their_weights, their_experts = theirs.gate(hidden)
+        expected = theirs(hidden)
+        weights, experts = ours.route(logits)
+    torch.testing.assert_close(logits, their_logits, atol=ATOL, rtol=RTOL)
+    assert torch.equal(experts, their_experts)
+    torch.testing.assert_close(weights, their_weights, atol=ATOL, rtol=RTOL)
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(ours(hidden), got)
+
+
+def test_the_correction_bias_changes_the_choice_but_not_the_weights():
+    """With the bias, other experts are chosen for some tokens (and theirs agree); the weights
+    are the chosen experts' unbiased sigmoid scores, normalised, times the scaling factor."""
+    ours, theirs = deepseek_pair("2-of-4-groups", 1, bias_scale=1.0)
+    hidden = x(1)
+    with torch.no_grad():
+        logits = ours.forward_with_router_logits(hidden)[1]
+        weights, experts = ours.route(logits)
+        unbiased = group_limited_route(
+            logits,
+            torch.zeros(8),
+            3,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        )[1]
+        torch.testing.assert_close(ours(hidden), theirs(hidden), atol=ATOL, rtol=RTOL)
+    assert not torch.equal(experts.sort(-1).values, unbiased.sort(-1).values)
+    chosen = logits.sigmoid().gather(1, experts)
+    torch.testing.assert_close(weights, 2.5 * chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_groups_are_ranked_by_their_two_best_scores():
+    """Expert 0 has the best score, but group 1 (experts 2, 3) has the best two: with one group
+    kept, expert 0 cannot be chosen; with both, it is. Hand-computed, then as theirs."""
+    logits = torch.logit(torch.tensor([[0.9, 0.1, 0.8, 0.7]]))
+    bias = torch.zeros(4)
+    settings = dict(norm_topk_prob=False, routed_scaling_factor=1.0)
+    weights, experts = group_limited_route(logits, bias, 1, n_group=2, topk_group=1, **settings)
+    assert experts.tolist() == [[2]]
+    torch.testing.assert_close(weights, torch.tensor([[0.8]]))
+    both = group_limited_route(logits, bias, 1, n_group=2, topk_group=2, **settings)
+    assert both[1].tolist() == [[0]]
+    # the bias ranks the groups too: +0.5 on expert 1 makes group 0's best two 0.9 + 0.6
+    bias[1] = 0.5
+    weights, experts = group_limited_route(logits, bias, 2, n_group=2, topk_group=1, **settings)
+    assert sorted(experts[0].tolist()) == [0, 1]
+    torch.testing.assert_close(weights.sort(-1).values, torch.tensor([[0.1, 0.9]]))
+
+
+def test_deepseek_ties_go_where_torch_topk_puts_them():
+    """Zero router weights and bias: every score is 0.5, every group ties, every expert ties;
+    and a router whose rows repeat: the same experts as theirs either way."""
+    ours, theirs = deepseek_pair("2-of-4-groups", 2, bias_scale=0.0)
+    hidden = x(2)
+    rows = torch.randn(2, D, generator=torch.Generator().manual_seed(2)).repeat(4, 1)  # (8, D)
+    for fill in ("zeros", "repeated rows"):
+        with torch.no_grad():
+            for w in (ours.router.weight, theirs.gate.weight):
+                if fill == "zeros":
+                    w.zero_()
+                else:
+                    w.copy_(rows)
+            _, their_weights, their_experts = theirs.gate(hidden)
+            weights, experts = ours.route(ours.forward_with_router_logits(hidden)[1])
+            assert torch.equal(experts, their_experts)
+            torch.testing.assert_close(weights, their_weights)
+            torch.testing.assert_close(ours(hidden), theirs(hidden), atol=ATOL, rtol=RTOL)
+
+
+def test_deepseek_block_in_bf16_routes_as_theirs_in_float32():
+    """Both in bf16: the router runs in float32 on both sides, so the same experts are chosen;
+    the outputs differ by bf16 rounding, each within 2 % of the float32 output's scale."""
+    ours, theirs = deepseek_pair("2-of-4-groups", 3)
+    hidden = x(3)
+    with torch.no_grad():
+        reference = theirs(hidden)
+        ours, theirs, low = ours.bfloat16(), theirs.bfloat16(), hidden.bfloat16()
+        got, logits = ours.forward_with_router_logits(low)
+        assert logits.dtype == torch.float32 and got.dtype == torch.bfloat16
+        assert torch.equal(ours.route(logits)[1], theirs.gate(low)[2])
+        expected = theirs(low)
+    scale = reference.abs().max()
+    assert (got.float() - reference).abs().max() < 0.02 * scale
+    assert (got.float() - expected.float()).abs().max() < 0.02 * scale
+
+
+def test_update_correction_bias_moves_each_bias_toward_the_mean_load():
+    """Counts 5, 1, 3, 3 (mean 3): the overloaded expert's bias falls by γ, the idle one's
+    rises by γ, the two at the mean keep theirs; refused input leaves the bias as it was."""
+    bias = torch.tensor([0.1, 0.0, -0.2, 0.0])
+    update_correction_bias(bias, torch.tensor([5, 1, 3, 3]), 0.01)
+    torch.testing.assert_close(bias, torch.tensor([0.09, 0.01, -0.2, 0.0]))
+    before = bias.clone()
+    raises(lambda: update_correction_bias(bias, torch.ones(3), 0.01), ValueError, "counts")
+    raises(lambda: update_correction_bias(bias, torch.ones(4), -1.0), ValueError, "step_size")
+    assert torch.equal(bias, before)
+
+
+def test_the_correction_bias_gets_no_gradient_and_is_saved():
+    ours = deepseek_pair("one-group")[0].train()
+    ours(x()).sum().backward()
+    assert not ours.correction_bias.requires_grad and ours.router.weight.grad is not None
+    assert "correction_bias" in ours.state_dict()
+
+
+def test_a_sigmoid_router_config_builds_deepseek_blocks_after_the_dense_layers():
+    config = moe_config(router="sigmoid", n_group=2, topk_group=1, dense_layers=(0,))
+    model = LanguageModel(config)
+    assert type(model.layers[0].ff).__name__ == "SwiGLU"
+    assert all(isinstance(layer.ff, DeepSeekMoE) for layer in model.layers[1:])
+    routers = model.forward_with_router_logits(torch.zeros(1, 4, dtype=torch.long))[1]
+    assert len(routers) == 2
+
+
+BAD_DEEPSEEK = [
+    (dict(n_experts=6, n_group=4), "n_group=4 must divide n_experts=6"),
+    (dict(n_group=2, topk_group=3), "topk_group=3 exceeds n_group=2"),
+    (dict(n_group=4, topk_group=1, top_k=3), "top_k=3 exceeds the 2 experts of topk_group=1"),
+    (dict(n_group=8, topk_group=1, top_k=1), "n_group=8 leaves 1 expert per group"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=9), "top_k=9 exceeds n_experts=8"),
+    (dict(n_shared_experts=-1), "n_shared_experts"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+]
+
+
+@pytest.mark.parametrize(("changes", "phrase"), BAD_DEEPSEEK)
+def test_bad_deepseek_blocks_are_refused_by_name(changes, phrase):
+    kwargs = dict(n_experts=8, top_k=2) | changes
+    raises(lambda: DeepSeekMoE(D, F_, **kwargs), ValueError, phrase)
+
+
+BAD_DEEPSEEK_CONFIGS = [
+    (dict(n_group=2), "n_group=2: DeepSeek-V3's mixture only; set router='sigmoid'"),
+    (dict(n_shared_experts=1), "set router='sigmoid'"),
+    (dict(router="sigmoidal"), "router must be one of"),
+    (dict(n_experts=0, n_experts_per_token=1, router="sigmoid"), "set n_experts"),
+    (dict(router="sigmoid", n_group=3), "n_group=3 must divide n_experts=4"),
+    (dict(router="sigmoid", n_group=2, topk_group=1, n_experts_per_token=3), "exceeds the 2"),
+    (dict(router="sigmoid", routed_scaling_factor=float("inf")), "routed_scaling_factor"),
+]
+
+
+@pytest.mark.parametrize(("changes", "phrase"), BAD_DEEPSEEK_CONFIGS)
+def test_bad_deepseek_configs_are_refused_by_name(changes, phrase):
+    raises(lambda: moe_config(**changes), ValueError, phrase)
+
+
+def test_route_refuses_top_k_zero_and_more_than_the_experts():
+    """torch.topk gives 0 experts a token without complaint, and a deep RuntimeError for 5 of 4."""
+    logits = torch.zeros(6, 4)
+    raises(lambda: route(logits, 0, norm_topk_prob=False), ValueError, "top_k")
+    raises(lambda: route(logits, 5, norm_topk_prob=False), ValueError, "top_k=5 exceeds")
+    raises(lambda: tokens_per_expert((logits,), 0), ValueError, "top_k")

@@ -172,6 +172,8 @@ def test_models_that_differ_are_refused_naming_the_setting():
     other = theirs(config(n_experts_per_token=1))
     raises(lambda: copy_from_qwen3_moe(ours, other), ValueError, "num_experts_per_tok")
     raises(lambda: qwen3_moe_config(config(qk_norm=False)), ValueError, "qk_norm=True")
+    deepseek_router = config(router="sigmoid", n_shared_experts=1)  # DeepSeek-V3's, not Qwen's
+    raises(lambda: qwen3_moe_config(deepseek_router), ValueError, "router='softmax'")
     raises(
         lambda: copy_to_qwen3_moe(ours, torch.nn.Linear(2, 2)), TypeError, "Qwen3MoeForCausalLM"
     )

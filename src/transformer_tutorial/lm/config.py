@@ -21,7 +21,7 @@ from transformer_tutorial.checks import (
 )
 from transformer_tutorial.feed_forward import FEED_FORWARDS
 from transformer_tutorial.lm.latent_attention import check_latent_dims
-from transformer_tutorial.lm.moe import check_experts
+from transformer_tutorial.lm.moe import check_experts, check_groups
 from transformer_tutorial.lm.rope_scaling import REFUSED, RopeScaling, rotary_width
 from transformer_tutorial.norms import NORMS
 
@@ -32,9 +32,19 @@ ATTENTIONS = ("mha", "gqa", "mla")
 # tiled forward and backward (without the score matrix: equal in float64; in bf16/fp16 it sums
 # in float32, as FlashAttention does, and is about as accurate; a teaching version).
 ATTENTION_BACKENDS = ("sdpa", "tiled")
+# How chapter 20's router scores the experts: Qwen3-MoE's softmax, or DeepSeek-V3's sigmoid with
+# its correction bias, groups, scaling and shared experts.
+ROUTERS = ("softmax", "sigmoid")
 
 # The fields only chapter 16's attention has.
 GQA_FIELDS = {"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None}
+# The fields only DeepSeek-V3's mixture of experts has (router="sigmoid").
+DEEPSEEK_MOE_FIELDS = {
+    "n_shared_experts": 0,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+}
 # The fields only chapter 20's mixture of experts has (n_experts=0: every layer dense).
 MOE_FIELDS = {
     "n_experts_per_token": 1,
@@ -43,6 +53,8 @@ MOE_FIELDS = {
     "sparse_step": 1,
     "dense_layers": (),
     "router_aux_loss_coef": 0.001,
+    "router": "softmax",
+    **DEEPSEEK_MOE_FIELDS,
 }
 # The fields only chapter 21's latent attention has.
 MLA_FIELDS = {
@@ -80,6 +92,12 @@ class LMConfig:
     when ``(i + 1) % sparse_step == 0`` and ``i`` is not in ``dense_layers`` (Qwen3-MoE's
     ``decoder_sparse_step`` and ``mlp_only_layers``); other layers keep the dense ``d_ff``
     layer. ``router_aux_loss_coef`` weighs the load-balancing loss in training.
+    ``router="sigmoid"`` makes each mixture DeepSeek-V3's
+    (:class:`~transformer_tutorial.lm.moe.DeepSeekMoE`): sigmoid scores with a correction bias,
+    the experts chosen from the ``topk_group`` best of ``n_group`` groups, the weights times
+    ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts (a SwiGLU of
+    ``n_shared_experts · moe_d_ff``); DeepSeek's ``first_k_dense_replace = k`` is
+    ``dense_layers=tuple(range(k))``.
 
     With ``attention="mla"`` (chapter 21, needs ``positions="rope"``): DeepSeek's latent
     attention, keys and values from a latent of ``kv_lora_rank``, queries through one of
@@ -124,6 +142,11 @@ class LMConfig:
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
+    router: str = "softmax"
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
@@ -173,6 +196,29 @@ class LMConfig:
         check_bool("norm_topk_prob", self.norm_topk_prob)
         check_int("sparse_step", self.sparse_step, at_least=1)
         check_number("router_aux_loss_coef", self.router_aux_loss_coef, low=0.0)
+        check_choice("router", self.router, ROUTERS)
+        if self.router == "softmax":
+            chosen = [
+                f"{k}={getattr(self, k)!r}"
+                for k, v in DEEPSEEK_MOE_FIELDS.items()
+                if getattr(self, k) != v
+            ]
+            if chosen:
+                raise ValueError(
+                    f"{', '.join(chosen)}: DeepSeek-V3's mixture only; set router='sigmoid'"
+                )
+        else:
+            check_groups(
+                self.n_experts,
+                self.n_experts_per_token,
+                self.n_group,
+                self.topk_group,
+                top_k_name="n_experts_per_token",
+            )
+            check_int("n_shared_experts", self.n_shared_experts, at_least=0)
+            check_number(
+                "routed_scaling_factor", self.routed_scaling_factor, low=0.0, low_open=True
+            )
         if not isinstance(self.dense_layers, tuple) or not all(
             isinstance(i, int) and 0 <= i < self.n_layers for i in self.dense_layers
         ):

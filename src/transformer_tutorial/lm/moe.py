@@ -10,12 +10,19 @@ comes two ways: :func:`load_balancing_loss` pools every sparse layer's tokens, a
 ``transformers`` computes it for Qwen3-MoE; :func:`load_balancing_loss_per_layer` gives one
 loss per layer, as the papers add it.
 
+DeepSeek-V3's mixture (:class:`DeepSeekMoE`, ``transformers``' ``DeepseekV3MoE``) routes
+otherwise (:func:`group_limited_route`): sigmoid scores, a correction bias that steers the choice
+but not the weights, the experts chosen only from the best groups, the weights scaled; shared
+experts run on every token. Its balance comes without a loss: after each step the bias moves
+against each expert's load (:func:`update_correction_bias`).
+
 Shapes: ``N`` tokens (``B · T`` flattened), ``D`` d_model, ``E`` experts, ``k`` experts per
 token, ``F`` an expert's hidden width.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_tutorial.checks import check_bool, check_int, check_number
+from transformer_tutorial.feed_forward import SwiGLU
 
 
 def check_experts(n_experts: object, top_k: object, *, top_k_name: str = "top_k") -> None:
@@ -48,11 +56,93 @@ def route(router_logits: Tensor, top_k: int, *, norm_topk_prob: bool) -> tuple[T
         router_logits ``(N, E)`` → weights ``(N, k)`` in the logits' dtype and expert ids
         ``(N, k)``, each row in decreasing weight.
     """
+    check_experts(router_logits.size(-1), top_k)
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # (N, E)
     weights, experts = torch.topk(probs, top_k, dim=-1)  # (N, k) each
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), experts
+
+
+def check_groups(
+    n_experts: object,
+    top_k: object,
+    n_group: object,
+    topk_group: object,
+    *,
+    top_k_name: str = "top_k",
+) -> None:
+    """An error naming the argument unless DeepSeek-V3's groups fit: ``n_group`` divides the
+    experts, ``1 <= topk_group <= n_group``, each group holds at least the 2 experts it is
+    ranked by (with more than one group), and ``top_k`` fits in the chosen groups' experts."""
+    check_experts(n_experts, top_k, top_k_name=top_k_name)
+    check_int("n_group", n_group, at_least=1)
+    check_int("topk_group", topk_group, at_least=1)
+    if n_experts % n_group:
+        raise ValueError(f"n_group={n_group} must divide n_experts={n_experts}")
+    if topk_group > n_group:
+        raise ValueError(
+            f"topk_group={topk_group} exceeds n_group={n_group}: choose 1 to {n_group}"
+        )
+    size = n_experts // n_group
+    if n_group > 1 and size < 2:
+        raise ValueError(
+            f"n_group={n_group} leaves {size} expert per group: a group is ranked by its 2 best "
+            f"scores, so n_group is at most n_experts // 2 = {n_experts // 2} (or 1)"
+        )
+    if top_k > topk_group * size:
+        raise ValueError(
+            f"{top_k_name}={top_k} exceeds the {topk_group * size} experts of topk_group="
+            f"{topk_group} groups of {size}: raise topk_group or lower {top_k_name}"
+        )
+
+
+def group_limited_route(
+    router_logits: Tensor,
+    correction_bias: Tensor,
+    top_k: int,
+    *,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3's routing (``transformers``' ``DeepseekV3TopkRouter``), in float32.
+
+    Each expert's score is the sigmoid of its logit. The choice reads the scores plus
+    ``correction_bias``: the experts are split into ``n_group`` groups, each group ranked by the
+    sum of its 2 best biased scores, and a token picks its ``top_k`` experts by biased score
+    among the experts of its ``topk_group`` best groups (ties go where ``torch.topk`` puts
+    them). The weights are the chosen experts' scores without the bias, divided by their sum
+    with ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+    Shapes:
+        router_logits ``(N, E)``, correction_bias ``(E,)`` → weights ``(N, k)`` in float32 and
+        expert ids ``(N, k)``, in no particular order.
+    """
+    N, E = router_logits.shape
+    check_groups(E, top_k, n_group, topk_group)
+    if correction_bias.shape != (E,):
+        raise ValueError(
+            f"correction_bias must have shape ({E},), one per expert, got "
+            f"{tuple(correction_bias.shape)}"
+        )
+    scores = router_logits.float().sigmoid()  # (N, E)
+    biased = scores + correction_bias.float()  # (N, E): for choosing only
+    if topk_group < n_group:  # (with every group kept, nothing to mask)
+        # 1) rank the groups by the sum of their 2 best biased scores; keep topk_group of them
+        grouped = biased.view(N, n_group, E // n_group)  # (N, G, E/G)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
+        kept = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices  # (N, g)
+        in_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        # 2) the experts of the other groups cannot be chosen
+        biased = biased.masked_fill(~in_kept.repeat_interleave(E // n_group, dim=1), -math.inf)
+    # 3) the top_k by biased score; their weights from the unbiased scores
+    experts = torch.topk(biased, top_k, dim=-1, sorted=False).indices  # (N, k)
+    weights = scores.gather(1, experts)  # (N, k)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, experts
 
 
 class Experts(nn.Module):
@@ -160,6 +250,101 @@ class MixtureOfExperts(nn.Module):
         logits = self.router(flat)  # (N, E)
         weights, experts = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
         return self.experts(flat, experts, weights).view(x.shape), logits
+
+
+class DeepSeekMoE(MixtureOfExperts):
+    """DeepSeek-V3's sparse feed-forward layer (``transformers``' ``DeepseekV3MoE``): the
+    routed experts of :class:`MixtureOfExperts`, chosen by :func:`group_limited_route`, plus
+    ``n_shared_experts`` shared experts that every token runs, one SwiGLU of width
+    ``n_shared_experts · d_ff`` added to the routed output.
+
+    The router's logits are computed in float32 whatever the weights' dtype (DeepSeek's
+    checkpoints keep the router in float32). ``correction_bias`` ``(E,)``, a buffer saved with
+    the weights (``e_score_correction_bias``), only steers which experts are chosen; no gradient
+    reaches it: :func:`update_correction_bias` moves it between training steps.
+
+    Args:
+        d_model, d_ff, n_experts, top_k, dropout: as :class:`MixtureOfExperts`.
+        n_shared_experts: shared experts (0: none).
+        n_group: groups of experts (``n_group``); 1: no grouping.
+        topk_group: groups a token may choose from (``topk_group``).
+        norm_topk_prob: divide the ``top_k`` weights by their sum (DeepSeek-V3: True).
+        routed_scaling_factor: multiplies the routed weights (DeepSeek-V3: 2.5).
+
+    Shapes:
+        x ``(..., D)`` → ``(..., D)``; router logits ``(N, E)`` in float32.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        n_shared_experts: int = 1,
+        n_group: int = 1,
+        topk_group: int = 1,
+        norm_topk_prob: bool = True,
+        routed_scaling_factor: float = 1.0,
+        dropout: float = 0.0,
+    ):
+        check_groups(n_experts, top_k, n_group, topk_group)
+        check_int("n_shared_experts", n_shared_experts, at_least=0)
+        check_number("routed_scaling_factor", routed_scaling_factor, low=0.0, low_open=True)
+        super().__init__(
+            d_model, d_ff, n_experts, top_k, norm_topk_prob=norm_topk_prob, dropout=dropout
+        )
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.register_buffer("correction_bias", torch.zeros(n_experts))
+        self.shared_experts = (
+            SwiGLU(d_model, d_ff * n_shared_experts, dropout=dropout) if n_shared_experts else None
+        )
+
+    def route(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
+        """:func:`group_limited_route` with this layer's settings and bias: weights ``(N, k)``
+        and expert ids ``(N, k)``."""
+        return group_limited_route(
+            router_logits,
+            self.correction_bias,
+            self.top_k,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+    def forward_with_router_logits(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``x`` ``(..., D)`` → the output ``(..., D)`` and the router's logits ``(N, E)``."""
+        flat = x.reshape(-1, x.size(-1))  # (N, D)
+        logits = F.linear(flat.float(), self.router.weight.float())  # (N, E), float32
+        weights, experts = self.route(logits)  # (N, k) each
+        out = self.experts(flat, experts, weights).view(x.shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, logits
+
+
+def update_correction_bias(correction_bias: Tensor, counts: Tensor, step_size: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, one update (§2.1.2 of the report): each
+    expert's bias moves by ``step_size`` (γ) toward the mean load, up for an expert that
+    received fewer tokens than the mean, down for one that received more (an expert exactly at
+    the mean keeps its bias). In place, outside autograd; call it after each training step with
+    the counts of that step's batch.
+
+    Shapes:
+        correction_bias ``(E,)``; counts ``(E,)``, the tokens each expert received.
+    """
+    check_number("step_size", step_size, low=0.0)
+    if counts.shape != correction_bias.shape or counts.dim() != 1:
+        raise ValueError(
+            f"counts must have correction_bias's shape {tuple(correction_bias.shape)}, one per "
+            f"expert, got {tuple(counts.shape)}"
+        )
+    load = counts.to(correction_bias.dtype)
+    with torch.no_grad():
+        correction_bias.add_(torch.sign(load.mean() - load), alpha=step_size)
 
 
 def load_balancing_loss(

@@ -57,7 +57,7 @@ def qwen3_moe_config(config: LMConfig) -> Qwen3MoeConfig:
     ``sparse_step`` → ``decoder_sparse_step``). An error names every field to change if ours
     is not Qwen3's kind."""
     required = {k: v for k, v in QWEN3.items() if k != "tie_embeddings"}
-    _require(config, dict(required, partial_rotary_factor=1.0), "Qwen3-MoE")
+    _require(config, dict(required, partial_rotary_factor=1.0, router="softmax"), "Qwen3-MoE")
     return Qwen3MoeConfig(
         **_shared_fields(config),
         attention_bias=False,

@@ -23,7 +23,7 @@ from transformer_tutorial.lm.cache import GroupedKVCache
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.grouped_attention import GroupedQueryAttention
 from transformer_tutorial.lm.latent_attention import MultiHeadLatentAttention, mla_softmax_scale
-from transformer_tutorial.lm.moe import MixtureOfExperts
+from transformer_tutorial.lm.moe import DeepSeekMoE, MixtureOfExperts
 from transformer_tutorial.lm.rope_scaling import scaled_rotary
 from transformer_tutorial.lm.rotary import RotaryPositions
 from transformer_tutorial.masks import causal_mask
@@ -41,7 +41,20 @@ def make_feed_forward(config: LMConfig, layer: int = 0) -> FeedForward | SwiGLU 
     layer with ``config.activation`` (``"gelu_tanh"``: GPT-2's), or with ``"swiglu"`` the gated
     layer (Llama's ``mlp``); ``d_ff`` is the hidden width, ``bias`` the config's. Chapter 20:
     where ``config.is_sparse(layer)``, a mixture of ``n_experts`` SwiGLU layers of ``moe_d_ff``
-    (Qwen3-MoE's sparse block)."""
+    (Qwen3-MoE's sparse block; with ``router="sigmoid"`` DeepSeek-V3's)."""
+    if config.is_sparse(layer) and config.router == "sigmoid":
+        return DeepSeekMoE(
+            config.d_model,
+            config.moe_d_ff or config.d_ff,
+            config.n_experts,
+            config.n_experts_per_token,
+            n_shared_experts=config.n_shared_experts,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            norm_topk_prob=config.norm_topk_prob,
+            routed_scaling_factor=config.routed_scaling_factor,
+            dropout=config.dropout,
+        )
     if config.is_sparse(layer):
         return MixtureOfExperts(
             config.d_model,
