@@ -11,8 +11,9 @@ Imports run one way, from the config at the bottom up to the model and what uses
 - decoding: ``sampling`` (temperature, top-k, top-p, ``generate``), ``paged_cache`` (23: a paged
   cache, continuous batching), ``speculative`` (23: a draft model proposes, the target verifies).
 - weights: ``gpt2_weights``, ``hf_weights`` (Llama, Qwen3), ``moe_weights`` (Qwen3-MoE),
-  ``deepseek_weights`` (DeepSeek-V3, dense), ``pretrained`` (checkpoint folders, chapter 19).
+  ``deepseek_weights`` (DeepSeek-V3, dense or with its mixture of experts), ``pretrained``
+  (checkpoint folders, chapter 19).
 - measured runs, each a command line with a record shipped in the package: ``comparison``
-  (chapter 17), ``length_experiment`` (18), ``moe_comparison`` (20),
+  (chapter 17), ``length_experiment`` (18), ``moe_comparison`` and ``moe_balancing`` (20),
   ``speculative_comparison`` (23).
 """
