@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DeepseekV3ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from helpers import raises, randomized
 from test_lm_latent_attention import CONFIGS, T, config, count_forms, left_padded
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.deepseek_weights import (
+    DEEPSEEK_MATCHING,
+    DEEPSEEK_MOE_MATCHING,
     copy_from_deepseek_v3,
     copy_to_deepseek_v3,
     deepseek_v3_config,
     lm_config_from_deepseek_v3,
 )
+from transformer_tutorial.lm.hf_weights import check_same_settings
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.moe import DeepSeekMoE
 from transformer_tutorial.lm.sampling import generate
@@ -288,4 +291,18 @@ def test_mixtures_deepseek_has_no_equivalent_of_are_refused_by_name():
         lambda: copy_from_deepseek_v3(LanguageModel(other), ref),
         ValueError,
         "routed_scaling_factor: ours 2.5, theirs 1.5",
+    )
+
+
+def test_deepseek_v3s_published_sizes_map_both_ways():
+    """DeepseekV3Config's defaults are DeepSeek-V3's: 256 routed experts in 8 groups, 4 groups
+    kept, 8 chosen, one shared, the first 3 layers dense; no model built."""
+    published = DeepseekV3Config()
+    ours = lm_config_from_deepseek_v3(published)
+    groups = (ours.n_experts, ours.n_group, ours.topk_group, ours.n_experts_per_token)
+    assert groups == (256, 8, 4, 8)
+    assert ours.dense_layers == (0, 1, 2) and ours.router == "sigmoid"
+    assert (ours.moe_d_ff, ours.d_ff, ours.routed_scaling_factor) == (2048, 18432, 2.5)
+    check_same_settings(
+        deepseek_v3_config(ours), published, DEEPSEEK_MATCHING + DEEPSEEK_MOE_MATCHING
     )
