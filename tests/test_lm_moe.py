@@ -505,6 +505,19 @@ def test_update_correction_bias_moves_each_bias_toward_the_mean_load():
     assert torch.equal(bias, before)
 
 
+def test_the_bias_update_is_lost_in_bf16_where_the_docstring_says():
+    """A step of 0.001: doubled on a bf16 bias near 0.3, lost near 0.7 (and upward at 0.5);
+    exact in float32."""
+    counts = torch.tensor([0, 2, 2, 0])  # mean 1: experts 0 and 3 up, 1 and 2 down
+    for dtype, expected in (
+        (torch.bfloat16, [0.3 + 2**-9, 0.5 - 2**-9, 0.7, 0.5]),
+        (torch.float32, [0.301, 0.499, 0.699, 0.501]),
+    ):
+        bias = torch.tensor([0.3, 0.5, 0.7, 0.5], dtype=dtype)
+        update_correction_bias(bias, counts, 0.001)
+        torch.testing.assert_close(bias, torch.tensor(expected, dtype=dtype), rtol=0, atol=1e-7)
+
+
 def test_the_correction_bias_gets_no_gradient_and_is_saved():
     ours = deepseek_pair("one-group")[0].train()
     ours(x()).sum().backward()
