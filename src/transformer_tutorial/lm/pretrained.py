@@ -1,13 +1,18 @@
 """Chapter 19: real checkpoints. A folder as ``transformers`` writes it (``config.json`` and
 safetensors weights, whole or in shards that ``model.safetensors.index.json`` names) read into
-the book's :class:`LanguageModel`, and ours written the same way, for GPT-2, Llama and Qwen3.
+the book's :class:`LanguageModel`, and ours written the same way, for GPT-2, Llama, Qwen3,
+Qwen3-MoE and DeepSeek-V3 (latent attention and its mixture of experts): one table of
+families, one reader.
 
 A folder is read into a weightless ``transformers`` model of its config on the ``meta`` device,
-whose names are the checkpoint's; the tested mappings of ``lm.gpt2_weights`` and ``lm.hf_weights``
-pair its tensors with ours, so no name is repeated here. Files, config, names and shapes are
-checked before a weight is read (safetensors: a JSON header, raw bytes, no pickle). Each tensor
-is read once, into memory of its own, and ours (also built on ``meta``) takes it as its weight:
-loading holds the weights about once, not a random model beside them.
+whose names are the checkpoint's (where ``transformers`` 5 stacks each layer's experts, files
+keep every expert's weights apart, and each is read into its place in the stack); the tested
+mappings of ``lm.gpt2_weights``, ``lm.hf_weights``, ``lm.moe_weights`` and
+``lm.deepseek_weights`` pair its tensors with ours, so no name is repeated here. Files, config,
+names and shapes are checked before a weight is read (safetensors: a JSON header, raw bytes, no
+pickle), and no file outside the folder is opened. Each tensor is read once, into memory of its
+own, and ours (also built on ``meta``) takes it as its weight: loading holds the weights about
+once, not a random model beside them.
 """
 
 from __future__ import annotations
@@ -23,21 +28,31 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from transformer_tutorial.checks import check_optional_int
-from transformer_tutorial.lm import gpt2_weights, hf_weights
+from transformer_tutorial.lm import deepseek_weights, gpt2_weights, hf_weights, moe_weights
 from transformer_tutorial.lm.config import LMConfig
+from transformer_tutorial.lm.deepseek_weights import (
+    copy_to_deepseek_v3,
+    deepseek_v3_config,
+    lm_config_from_deepseek_v3,
+)
 from transformer_tutorial.lm.gpt2_weights import copy_to_gpt2, gpt2_config, lm_config_from_gpt2
 from transformer_tutorial.lm.hf_weights import (
     copy_to_llama,
@@ -47,6 +62,11 @@ from transformer_tutorial.lm.hf_weights import (
     qwen3_config,
 )
 from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.moe_weights import (
+    copy_to_qwen3_moe,
+    lm_config_from_qwen3_moe,
+    qwen3_moe_config,
+)
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -67,11 +87,52 @@ def _llama_weights(ours: LanguageModel, theirs: nn.Module) -> Iterator[tuple[Ten
         yield mine, their
 
 
+def _moe_weights(
+    pairs: Callable[[LanguageModel, Any], Iterator[tuple[str, list[Tensor], Tensor]]],
+) -> Callable[[LanguageModel, Any], Iterator[tuple[Tensor, Tensor]]]:
+    """Each weight of ours and the tensor of theirs it takes, from a mapping with mixtures of
+    experts (chapter 20's Qwen3-MoE, chapter 21's DeepSeek-V3): our experts' ``gate_proj`` and
+    ``up_proj`` each take their half of ``gate_up_proj``."""
+
+    def weights_from(ours: LanguageModel, theirs: nn.Module) -> Iterator[tuple[Tensor, Tensor]]:
+        for _, mine, their in pairs(ours, theirs):
+            halves = [their] if len(mine) == 1 else their.chunk(2, dim=1)  # gate first
+            yield from zip(mine, halves, strict=True)
+
+    return weights_from
+
+
+# Where part of one of their tensors is stored: the stored name, and the index of the part.
+Part = tuple[str, tuple]
+
+
+def _experts_apart(name: str, shape: tuple[int, ...]) -> list[Part] | None:
+    """Where the parts of a tensor of theirs that stacks a layer's experts are stored, None for
+    any other tensor. ``transformers`` 5 holds them as ``experts.gate_up_proj`` ``(E, 2F, D)``
+    and ``experts.down_proj`` ``(E, D, F)``; its ``save_pretrained``, as the released
+    checkpoints, stores each expert's ``experts.{e}.gate_proj.weight`` and ``up_proj.weight``
+    ``(F, D)`` and ``down_proj.weight`` ``(D, F)`` apart."""
+    experts, _, kind = name.rpartition(".")
+    if not experts.endswith(".experts"):
+        return None
+    if kind == "down_proj":
+        return [(f"{experts}.{e}.down_proj.weight", (e,)) for e in range(shape[0])]
+    if kind == "gate_up_proj":
+        f = shape[1] // 2
+        return [
+            (f"{experts}.{e}.{proj}.weight", (e, slice(j * f, (j + 1) * f)))
+            for e in range(shape[0])
+            for j, proj in enumerate(("gate_proj", "up_proj"))
+        ]
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     """One ``model_type``: their classes, configs, the pairing of their weights with ours (each
     of ours and the tensor it takes from theirs) and the copy into theirs, the fields that size
-    the weights (a folder must state them), a pattern of stored tensors not weights."""
+    the weights (a folder must state them), a pattern of stored tensors not weights, and where
+    the parts of tensors stored apart are (None: every tensor stored whole, under its name)."""
 
     config_class: type
     model_class: type[nn.Module]
@@ -81,6 +142,7 @@ class Family:
     copy_to: Callable[[LanguageModel, Any], None]
     sizes: tuple[str, ...]
     not_weights: str | None = None
+    stored_apart: Callable[[str, tuple[int, ...]], list[Part] | None] | None = None
 
 
 LLAMA_SIZES = (
@@ -121,6 +183,36 @@ FAMILIES = MappingProxyType(
             copy_to_qwen3,
             LLAMA_SIZES,
         ),
+        "qwen3_moe": Family(
+            Qwen3MoeConfig,
+            Qwen3MoeForCausalLM,
+            lm_config_from_qwen3_moe,
+            qwen3_moe_config,
+            _moe_weights(moe_weights._pairs),
+            copy_to_qwen3_moe,
+            (*LLAMA_SIZES, "num_experts", "moe_intermediate_size"),
+            stored_apart=_experts_apart,
+        ),
+        "deepseek_v3": Family(
+            DeepseekV3Config,
+            DeepseekV3ForCausalLM,
+            lm_config_from_deepseek_v3,
+            deepseek_v3_config,
+            _moe_weights(deepseek_weights._pairs),
+            copy_to_deepseek_v3,
+            (
+                *LLAMA_SIZES,
+                "q_lora_rank",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+                "v_head_dim",
+                "first_k_dense_replace",
+                "n_routed_experts",
+                "moe_intermediate_size",
+            ),
+            stored_apart=_experts_apart,
+        ),
     }
 )
 
@@ -136,14 +228,18 @@ def read_config(folder: str | os.PathLike, *, max_len: int | None = None) -> LMC
 def load_pretrained(
     folder: str | os.PathLike, *, dtype: torch.dtype | None = None, max_len: int | None = None
 ) -> LanguageModel:
-    """Our :class:`LanguageModel` with the weights of a checkpoint folder (GPT-2, Llama or
-    Qwen3), on the CPU, in eval mode. Each tensor is read once, into memory of its own, and
-    becomes ours' weight: loading holds about the checkpoint's bytes, plus a copy of GPT-2's
-    transposed ``Conv1D`` weights.
+    """Our :class:`LanguageModel` with the weights of a checkpoint folder (GPT-2, Llama, Qwen3,
+    Qwen3-MoE or DeepSeek-V3), on the CPU, in eval mode. Each tensor is read once, into memory
+    of its own, and becomes ours' weight: loading holds about the checkpoint's bytes (in
+    ``dtype``), plus a copy of one tensor at a time where ours lays it out otherwise (GPT-2's
+    transposed ``Conv1D`` weights, an MoE layer's ``gate_up_proj``): at most 1.3x the file's
+    bytes at its peak, measured (tests/test_lm_pretrained.py).
 
     Args:
         folder: holds ``config.json`` and ``model.safetensors``, or
-            ``model.safetensors.index.json`` and the shards it names.
+            ``model.safetensors.index.json`` and the shards it names (in the folder: a name
+            leading out of it, even through a symlink, is refused unopened; in
+            ``huggingface_hub``'s cache a snapshot's links to the model's ``blobs`` are its own).
         dtype: the model's dtype; None keeps the one its tensors are stored in (converted one
             tensor at a time).
         max_len: the positions a rotary model reads (its tables' length); None: the config's
@@ -152,10 +248,11 @@ def load_pretrained(
             positions over a ``max_position_embeddings`` of 40,960). GPT-2's table is fixed.
 
     Raises ``FileNotFoundError`` for a missing config, weights or shard; ``ValueError`` for a
-    config ours cannot represent (or a ``max_len`` for GPT-2), and for tensors missing,
-    unexpected, of the wrong shape, not stored as floats or in mixed dtypes with no ``dtype``
-    given (all before a tensor is read), or a tied output layer stored unlike the token table;
-    ``TypeError`` for a ``dtype`` that is not a float dtype.
+    file outside the folder, a config or index that is not a JSON object, a file that is not
+    safetensors, a config ours cannot represent (or a ``max_len`` for GPT-2), and for tensors
+    missing, unexpected, of the wrong shape, not stored as floats or in mixed dtypes with no
+    ``dtype`` given (all before a tensor is read), or a tied output layer stored unlike the
+    token table; ``TypeError`` for a ``dtype`` that is not a float dtype.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be None or a floating torch.dtype, got {dtype!r}")
@@ -166,8 +263,8 @@ def load_pretrained(
     with torch.device("meta"):
         skeleton = family.model_class(their_config)
     stored = _stored(folder)
-    names = _match(stored, skeleton, family, tied=config.tie_embeddings, folder=folder)
-    kinds = {stored[s].dtype for s in names.values()}
+    placed = _match(stored, skeleton, family, tied=config.tie_embeddings, folder=folder)
+    kinds = {stored[s].dtype for where in placed.values() for s, _ in where.parts}
     if not kinds <= DTYPES.keys():
         raise ValueError(
             f"{folder}: tensors are stored as {sorted(kinds - DTYPES.keys())}; ours reads "
@@ -176,39 +273,75 @@ def load_pretrained(
     stored_dtypes = sorted(str(DTYPES[k]) for k in kinds)
     if dtype is None and len(stored_dtypes) > 1:
         raise ValueError(f"{folder}: tensors are stored as {stored_dtypes}: pass a dtype")
-    state = _read(stored, names)
-    table = _check_tie(state, skeleton, folder) if config.tie_embeddings else None
-    if dtype is not None:
-        for k in list(state):  # one tensor at a time: each stored one freed once converted
-            state[k] = state[k].to(dtype)
-    if table is not None:
-        state[HEAD] = state[table]  # one tensor under both names
+    state = _read(stored, placed, dtype)
+    if config.tie_embeddings:
+        state[HEAD] = state[_check_tie(state, skeleton, folder)]  # one tensor, both names
     skeleton.load_state_dict(state, strict=True, assign=True)  # their model holds the tensors
     with torch.device("meta"):
         ours = LanguageModel(config)  # no weights; its rotary tables are computed on the CPU
-    takes = {id(mine): theirs for mine, theirs in family.weights_from(ours, skeleton)}
-    # Each weight of ours becomes their tensor, not a copy of it (GPT-2's transposed ones are
-    # copied); a tied table is one parameter under both names, as it was.
-    weights = {
-        k: takes[id(p)].contiguous() for k, p in ours.named_parameters(remove_duplicate=False)
-    }
+    with torch.no_grad():  # views that hold no graph, which would keep their tensors alive
+        takes = {id(mine): theirs for mine, theirs in family.weights_from(ours, skeleton)}
+        del state, skeleton  # their tensors are held by `takes` alone, each freed once taken
+        # Each weight of ours becomes their tensor, not a copy of it (a view laid out otherwise
+        # is copied); a tied table is one parameter under both names, as it was.
+        taken: dict[int, Tensor] = {}
+        weights = {}
+        for k, t in ours.state_dict(keep_vars=True).items():  # weights and stored buffers
+            if id(t) not in taken:
+                taken[id(t)] = takes.pop(id(t)).contiguous()
+            weights[k] = taken[id(t)]
     ours.load_state_dict(weights, strict=True, assign=True)
     return ours.eval()
 
 
+def _inside(folder: Path, name: str, named_in: Path | None = None) -> Path:
+    """``folder / name``, refused unless it stays in the folder: ``name`` relative, without
+    ``..``, and the file it reaches (symlinks followed) in the folder or, in
+    ``huggingface_hub``'s cache, whose ``snapshots/<revision>`` folders link each file to the
+    model's ``blobs``, there. Checked before the file is opened or its existence tested."""
+    path = folder / name
+    where = f"{named_in}: " if named_in else ""
+    real = folder.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots":
+        roots.append(real.parent.parent / "blobs")
+    escapes = Path(name).is_absolute() or ".." in Path(name).parts
+    if escapes or not any(path.resolve().is_relative_to(r) for r in roots):
+        raise ValueError(
+            f"{where}{name!r} leads outside the checkpoint folder {folder}; refused (a "
+            "checkpoint's files are read from its folder only)"
+        )
+    return path
+
+
+def _json_object(path: Path) -> dict:
+    """The object a JSON file holds; an error names the file."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: holds a JSON {type(raw).__name__}, not an object {{...}}")
+    return raw
+
+
 def _read_config(folder: Path) -> tuple[Family, Any]:
-    path = folder / CONFIG
+    path = _inside(folder, CONFIG)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; a checkpoint folder holds {CONFIG}")
-    raw = json.loads(path.read_text(encoding="utf-8"))
+    raw = _json_object(path)
     kind = raw.get("model_type")
     if kind not in FAMILIES:
         raise ValueError(f"{path}: model_type={kind!r}; ours reads {sorted(FAMILIES)}")
     family = FAMILIES[kind]
-    missing = [k for k in family.sizes if k not in raw]
+    aliases = family.config_class.attribute_map  # num_experts is num_local_experts in files
+    missing = [k for k in family.sizes if k not in raw and aliases.get(k) not in raw]
     if missing:
         raise ValueError(f"{path}: missing {', '.join(missing)}, which size {kind}'s weights")
-    return family, family.config_class.from_dict(raw)
+    try:
+        return family, family.config_class.from_dict(raw)
+    except (TypeError, ValueError, StrictDataclassError) as error:  # a field of a wrong type
+        raise ValueError(f"{path}: {error}") from error
 
 
 def _to_ours(family: Family, theirs: Any, folder: Path, max_len: int | None) -> LMConfig:
@@ -238,23 +371,29 @@ class Stored:
 
 def _stored(folder: Path) -> dict[str, Stored]:
     """Every stored tensor by name, from ``model.safetensors`` or the shard index; each file
-    checked to exist and to hold the names the index gives it. Only headers are read."""
-    single, index = folder / WEIGHTS, folder / INDEX
+    checked to be in the folder, to exist and to hold the names the index gives it. Only
+    headers are read."""
+    single = _inside(folder, WEIGHTS)
     if single.is_file():
         return _header(single)
+    index = _inside(folder, INDEX)
     if not index.is_file():
         raise FileNotFoundError(
             f"{folder}: no weights; expected {WEIGHTS}, or {INDEX} and its shards "
             "(only safetensors files are read)"
         )
-    weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index}: no weight_map naming each tensor's shard")
-    shards = sorted(set(weight_map.values()))
-    absent = [s for s in shards if not (folder / s).is_file()]
+    weight_map = _json_object(index).get("weight_map")
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(s, str) for s in weight_map.values())
+    ):
+        raise ValueError(f"{index}: no weight_map naming each tensor's shard file")
+    shards = {s: _inside(folder, s, index) for s in sorted(set(weight_map.values()))}
+    absent = [s for s, path in shards.items() if not path.is_file()]
     if absent:
         raise FileNotFoundError(f"{folder}: missing {_some(absent)}, named in {INDEX}")
-    held = {s: _header(folder / s) for s in shards}
+    held = {s: _header(path) for s, path in shards.items()}
     lost = [f"{k} ({s})" for k, s in weight_map.items() if k not in held[s]]
     if lost:
         raise ValueError(f"{folder}: {INDEX} puts tensors in shards that lack them: {_some(lost)}")
@@ -270,35 +409,60 @@ def _header(path: Path) -> dict[str, Stored]:
         raise ValueError(f"{path}: not a safetensors file ({error})") from error
 
 
+@dataclass(frozen=True)
+class Placed:
+    """One tensor of theirs: its shape, and where it is stored, whole (one part, index ``()``)
+    or in parts."""
+
+    shape: tuple[int, ...]
+    parts: list[Part]
+
+
 def _match(
     stored: dict[str, Stored], skeleton: nn.Module, family: Family, *, tied: bool, folder: Path
-) -> dict[str, str]:
-    """Their model's name → the stored name, for every weight; an error lists the tensors
-    missing, unexpected or of the wrong shape. A file saved from the base model alone
-    (``GPT2Model``: ``h.0...``, not ``transformer.h.0...``) gets the prefix its names lack."""
-    expected = {k: list(v.shape) for k, v in skeleton.state_dict().items()}
+) -> dict[str, Placed]:
+    """Their model's name → where its tensor is stored, for every weight: under its own name
+    or (experts stored apart) in parts; an error lists the tensors missing, unexpected or of the
+    wrong shape. A file saved from the base model alone (``GPT2Model``: ``h.0...``, not
+    ``transformer.h.0...``) gets the prefix its names lack."""
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
     prefix = f"{skeleton.base_model_prefix}."
     bare = not any(k.startswith(prefix) for k in stored)
-    names = {
+    names = {  # their name → the stored one
         (prefix + k if bare and k != HEAD else k): k
         for k in stored
         if not (family.not_weights and re.search(family.not_weights, k))
     }
-    missing = [k for k in expected if k not in names and not (tied and k == HEAD)]
-    unexpected = [stored_name for k, stored_name in names.items() if k not in expected]
+    wanted: dict[str, list[Part]] = {}
+    for k, shape in expected.items():
+        apart = family.stored_apart and k not in names and family.stored_apart(k, shape)
+        if not (tied and k == HEAD and k not in names):
+            wanted[k] = apart or [(k, ())]
+    missing = [n for parts in wanted.values() for n, _ in parts if n not in names]
+    used = {n for parts in wanted.values() for n, _ in parts}
+    unexpected = [stored_name for k, stored_name in names.items() if k not in used]
     if missing or unexpected:
         found = [("missing", missing), ("unexpected", unexpected)]
         raise ValueError(
             f"{folder}: tensors " + "; ".join(f"{what} {_some(ks)}" for what, ks in found if ks)
         )
     wrong = [
-        f"{s} {stored[s].shape}, expected {expected[k]}"
-        for k, s in names.items()
-        if stored[s].shape != expected[k]
+        f"{names[n]} {stored[names[n]].shape}, expected {part}"
+        for k, parts in wanted.items()
+        for n, index in parts
+        if stored[names[n]].shape != (part := _shape(expected[k], index))
     ]
     if wrong:
         raise ValueError(f"{folder}: shapes differ from {CONFIG}'s: {_some(wrong)}")
-    return names
+    return {
+        k: Placed(expected[k], [(names[n], index) for n, index in parts])
+        for k, parts in wanted.items()
+    }
+
+
+def _shape(shape: tuple[int, ...], index: tuple) -> list[int]:
+    """The shape of ``tensor[index]`` for a tensor of ``shape``."""
+    return list(torch.empty(shape, device="meta")[index].shape)
 
 
 # The dtypes a weight is read in, by safetensors' names.
@@ -307,30 +471,41 @@ DTYPES = MappingProxyType(
 )
 
 
-def _read(stored: dict[str, Stored], names: dict[str, str]) -> dict[str, Tensor]:
-    """The tensors, their model's names as keys: each read from its file (opened once) into
-    memory of its own, by plain reads at the header's offsets. A memory map (safetensors'
-    ``get_tensor``) would tie the model to the file, and copying out of one would hold each
-    weight twice."""
-    state = {}
-    for path in dict.fromkeys(stored[s].file for s in names.values()):
+def _read(
+    stored: dict[str, Stored], placed: dict[str, Placed], dtype: torch.dtype | None
+) -> dict[str, Tensor]:
+    """The tensors, their model's names as keys, in ``dtype`` (None: as stored), each in memory
+    of its own: every part read from its file (each opened once) straight into its place, by
+    plain reads at the header's offsets, or into a buffer of its own and converted. A memory
+    map (safetensors' ``get_tensor``) would tie the model to the file, and copying out of one
+    would hold each weight twice."""
+    state, reads = {}, {}
+    for k, where in placed.items():
+        kind = DTYPES[stored[where.parts[0][0]].dtype]
+        state[k] = torch.empty(where.shape, dtype=dtype or kind)
+        for s, index in where.parts:
+            reads.setdefault(stored[s].file, []).append((s, state[k][index]))
+    for path, parts in reads.items():
         with path.open("rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))  # the header's length, little-endian
             header = json.loads(f.read(n))
-            for k, s in names.items():
-                if stored[s].file == path:
-                    state[k] = _read_tensor(f, 8 + n, header[s])
+            for s, out in parts:
+                _read_into(out, f, 8 + n, header[s], path)
     return state
 
 
-def _read_tensor(f: Any, start: int, entry: dict) -> Tensor:
-    """One tensor of a header ``entry`` (dtype, shape, offsets from ``start``)."""
-    tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+def _read_into(out: Tensor, f: Any, start: int, entry: dict, path: Path) -> None:
+    """One tensor of a header ``entry`` (dtype, shape, offsets from ``start``) into ``out``, a
+    contiguous tensor or view of its shape."""
+    kind = DTYPES[entry["dtype"]]
+    buffer = out if out.dtype == kind else torch.empty(entry["shape"], dtype=kind)
     f.seek(start + entry["data_offsets"][0])
     # Its bytes, as stored: little-endian, as x86 and ARM hold numbers. safe_open has checked
     # the header's offsets against the shapes and the file's length (_header).
-    f.readinto(tensor.view(-1).view(torch.uint8).numpy())
-    return tensor
+    if f.readinto(buffer.view(-1).view(torch.uint8).numpy()) != buffer.nbytes:
+        raise ValueError(f"{path}: shorter than its header says")
+    if buffer is not out:
+        out.copy_(buffer)
 
 
 def _check_tie(state: dict[str, Tensor], skeleton: nn.Module, folder: Path) -> str:
@@ -355,11 +530,14 @@ def _some(names: list[str], shown: int = 5) -> str:
 
 
 def model_type(config: LMConfig) -> str:
-    """The ``model_type`` our ``config`` is saved as: ``"qwen3"`` with QK-norm, ``"llama"``
-    with rotary positions, ``"gpt2"`` otherwise (its config function then names any other
-    field to change)."""
+    """The ``model_type`` our ``config`` is saved as: ``"deepseek_v3"`` with latent attention,
+    ``"qwen3_moe"`` with QK-norm and experts, ``"qwen3"`` with QK-norm, ``"llama"`` with
+    rotary positions, ``"gpt2"`` otherwise (its config function then names any other field to
+    change)."""
+    if config.attention == "mla":
+        return "deepseek_v3"
     if config.qk_norm:
-        return "qwen3"
+        return "qwen3_moe" if config.n_experts else "qwen3"
     return "llama" if config.positions == "rope" else "gpt2"
 
 
@@ -368,13 +546,24 @@ def save_pretrained(
 ) -> None:
     """Write ``model`` as ``transformers``' ``save_pretrained`` does, for its
     ``AutoModelForCausalLM.from_pretrained``: ``config.json`` and the weights, in their names
-    and the model's dtype, in ``model.safetensors`` or — past ``max_shard_size`` bytes — in
-    shards with an index. A tied output layer is left out, as theirs leaves it out.
+    (each expert's apart) and the model's dtype, in ``model.safetensors`` or — past
+    ``max_shard_size`` bytes — in shards with an index. A tied output layer is left out, as
+    theirs leaves it out.
 
-    The folder is created if needed and must not hold a checkpoint already.
+    The folder is created if needed and must not hold a checkpoint already. A model no family
+    holds (:func:`model_type`) is refused, naming what to change, before anything is written.
     """
+    if not isinstance(model, LanguageModel):
+        raise TypeError(f"model must be a LanguageModel, got {type(model).__name__}")
     check_optional_int("max_shard_size", max_shard_size, at_least=1)
-    family = FAMILIES[model_type(model.config)]
+    kind = model_type(model.config)
+    family = FAMILIES[kind]
+    if model.config.n_experts and family.stored_apart is None:
+        raise ValueError(
+            f"n_experts={model.config.n_experts}: ours saves a mixture of experts as Qwen3-MoE "
+            f"(qk_norm=True) or DeepSeek-V3 (attention='mla'); {kind} has dense feed-forward "
+            "layers only"
+        )
     their_config = family.to_theirs(model.config)
     folder = Path(folder)
     taken = [p.name for p in (folder / CONFIG, folder / INDEX) if p.exists()]
@@ -386,11 +575,13 @@ def save_pretrained(
         theirs = family.model_class(their_config).to(dtype)
     theirs.to_empty(device="cpu")
     family.copy_to(model, theirs)
-    tensors = {
-        k: t
-        for k, t in theirs.state_dict().items()
-        if not (k == HEAD and their_config.tie_word_embeddings)
-    }
+    tensors = {}
+    for k, t in theirs.state_dict().items():
+        if k == HEAD and their_config.tie_word_embeddings:
+            continue
+        apart = family.stored_apart and family.stored_apart(k, tuple(t.shape))
+        for name, index in apart or [(k, ())]:
+            tensors[name] = t[index].clone() if apart else t  # a file's tensors share no memory
     folder.mkdir(parents=True, exist_ok=True)
     _write_weights(tensors, folder, max_shard_size)
     their_config.architectures = [family.model_class.__name__]
