@@ -870,3 +870,47 @@ def test_saving_a_model_no_family_holds_says_why_and_writes_nothing(tmp_path):
     gpt2 = AutoModelForCausalLM.from_config(FAMILIES["gpt2"].to_theirs(lm_config()))
     raises(lambda: save_pretrained(gpt2, tmp_path), TypeError, "model must be a LanguageModel")
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+RELEASED_STYLE = {  # model_type: config.json's fields as the releases write them
+    # Qwen3-30B-A3B's: num_experts (transformers 5 writes num_local_experts), the older rope
+    # fields and torch_dtype, max_window_layers with the window off.
+    "qwen3_moe": dict(
+        num_experts=4,
+        num_local_experts=None,
+        rope_parameters=None,
+        rope_theta=10000.0,
+        rope_scaling=NULL,
+        dtype=None,
+        torch_dtype="bfloat16",
+        max_window_layers=3,
+    ),
+    # DeepSeek-V3's: rope_theta and a YaRN rope_scaling of the older "type" key with its
+    # mscale fields (factor 4 over 4 positions: the 16 of the config), torch_dtype.
+    "deepseek_v3": dict(
+        rope_parameters=None,
+        rope_theta=10000.0,
+        rope_scaling=dict(
+            type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=4,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        dtype=None,
+        torch_dtype="bfloat16",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", RELEASED_STYLE)
+def test_configs_in_the_style_of_the_mixtures_releases_load(kind, tmp_path):
+    folder = their_folder(tmp_path, kind, tie=False, dtype=torch.bfloat16)
+    edit_config(folder, **RELEASED_STYLE[kind])
+    ours = load_pretrained(folder, dtype=torch.float32)
+    assert ours.config.n_experts == 4
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = ids(14)
+    torch.testing.assert_close(logits(ours, x), logits(ref, x), atol=ATOL, rtol=RTOL)
