@@ -16,6 +16,7 @@ from bench.mla import bench_mla
 from bench.moe import bench_moe
 from bench.paged import bench_paged
 from bench.report import print_table, write_results
+from bench.roofline import bench_roofline
 from bench.speculative import bench_speculative
 from bench.tiled import bench_tiled
 from bench.train_forward import bench_models
@@ -60,6 +61,12 @@ SECTIONS = (
         bench_paged,
     ),
     ("11. chapter 22's tiled attention vs F.sdpa (a report: no goal)", "tiled", bench_tiled),
+    (
+        "12. greedy decoding against the memory-bandwidth roofline: ours in float32, bf16, int8 "
+        "and int4 vs LlamaForCausalLM in float32 and bf16",
+        "roofline",
+        bench_roofline,
+    ),
 )
 
 

@@ -197,6 +197,32 @@ def print_tiled_table(tiled: dict) -> None:
         )
 
 
+def print_roofline_table(roof: dict) -> None:
+    """Section 12: each variant's step time, its share of the bandwidth roofline, its speed
+    against LlamaForCausalLM, and its agreement with float32."""
+    print(
+        f"\ngreedy decoding against the roofline ({roof['config']}): read bandwidth "
+        f"{roof['bandwidth_gb_per_s']:.1f} GB/s; roofline = weight bytes a step reads ÷ step "
+        f"time ÷ bandwidth"
+    )
+    print(
+        f"{'B':>2} {'variant':<22}{'ms/step':>9}{'tok/s':>8}{'GB/s':>7}{'roofline':>9}"
+        f"{'×HF fp32':>9}{'×HF bf16':>9}{'as fp32':>8}"
+    )
+    for r in roof["rows"]:
+        print(
+            f"{r['batch']:>2} {r['variant']:<22}{r['step_ms']:>9.1f}{r['tokens_per_s']:>8.1f}"
+            f"{r['read_gb_per_s']:>7.1f}{r['roofline']:>9.0%}{r['vs_theirs_fp32']:>9.2f}"
+            f"{r['vs_theirs_bf16']:>9.2f}{r['agrees_with_fp32']:>8.0%}"
+        )
+    loss = roof["loss"]
+    print(
+        f"held-out loss gap to float32, chapter 17's model trained {loss['train_seconds']:.0f} s: "
+        + ", ".join(f"{k} {v:+.4f}" for k, v in loss["gaps"].items() if k != "fp32")
+        + " (goal: int8 within 0.02)"
+    )
+
+
 # The later sections' tables: (key in the results, the table).
 EXTRA_TABLES = (
     ("moe", print_moe_table),
@@ -204,6 +230,7 @@ EXTRA_TABLES = (
     ("speculative", print_speculative_table),
     ("paged", print_paged_table),
     ("tiled", print_tiled_table),
+    ("roofline", print_roofline_table),
 )
 
 

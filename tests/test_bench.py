@@ -28,6 +28,7 @@ def bench(monkeypatch):
     import bench
     import bench.__main__
     import bench.mfu
+    import bench.roofline
 
     return bench
 
@@ -71,6 +72,7 @@ def test_bench_quick_runs_every_section_and_writes_results(
     _check_speculative(results, out)
     _check_paged(results, out)
     _check_tiled(results, out)
+    _check_roofline(results, out, bench)
 
 
 def _check_mfu(results: dict, out: str) -> None:
@@ -185,6 +187,25 @@ def _check_paged(results: dict, out: str) -> None:
     assert b["new_tokens"] == sum(b["budgets"])
     assert b["speedup"] == pytest.approx(b["one_by_one_s"] / b["batched_s"])
     assert table[4].startswith("continuous batching, 16 requests") and table[4].endswith("same")
+
+
+def _check_roofline(results: dict, out: str, bench) -> None:
+    """Section 12: six variants a batch, each with its roofline share computed from its own
+    bytes and time; float32 tokens equal to LlamaForCausalLM's; the trained model's losses."""
+    roof = results["roofline"]
+    assert roof["bandwidth_gb_per_s"] > 0
+    variants = [r["variant"] for r in roof["rows"]]
+    assert variants == [*bench.roofline.VARIANTS] * 2
+    for r in roof["rows"]:
+        per_s = r["step_bytes"] / (r["step_ms"] / 1e3)
+        assert r["roofline"] == pytest.approx(per_s / (roof["bandwidth_gb_per_s"] * 1e9))
+        assert 0 <= r["agrees_with_fp32"] <= 1
+    fp32 = [r for r in roof["rows"] if r["variant"] in ("ours fp32", "theirs fp32")]
+    assert all(r["agrees_with_fp32"] == 1 for r in fp32)
+    int8 = next(r for r in roof["rows"] if r["variant"].startswith("ours int8"))
+    assert int8["step_bytes"] < fp32[0]["step_bytes"] / 3  # a byte a weight, not four
+    assert set(roof["loss"]["losses"]) == {"fp32", "bf16", "int8", "int4"}
+    assert "greedy decoding against the roofline" in out
 
 
 def _check_tiled(results: dict, out: str) -> None:

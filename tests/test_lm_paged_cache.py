@@ -198,3 +198,16 @@ def test_the_paged_cache_needs_grouped_attention_without_a_window():
         ValueError,
         "no sliding window",
     )
+
+
+def test_caches_hold_the_activations_dtype_of_a_quantized_bf16_model():
+    """Weight-only quantization keeps the activations in bf16 while a QuantizedLinear's weight
+    reads back in float32: the preallocated and paged caches take the embedding's dtype."""
+    from transformer_tutorial.quantization import quantize_linears
+
+    model = quantize_linears(_model("llama").float().to(torch.bfloat16), bits=8, keep=())
+    prompt = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(5))
+    want = greedy_with_cache(model, prompt, 8, model.new_cache(2))
+    for cache in (preallocated_cache(model, 2), paged_cache(model, 2, n_blocks=6, block_size=4)):
+        assert cache.layers[0].nbytes > 0
+        assert torch.equal(greedy_with_cache(model, prompt, 8, cache), want)

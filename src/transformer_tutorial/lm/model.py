@@ -113,7 +113,7 @@ class LanguageModel(nn.Module):
             )
         if kind == "growing":
             return LMCache([layer.self_attn.empty_cache(batch_size) for layer in self.layers])
-        weight = self.lm_head.weight
+        weight = self.embed.weight  # the activations' dtype, even where linears are quantized
         max_len = self.config.max_len if max_len is None else max_len
         return LMCache(
             [

@@ -169,7 +169,7 @@ def paged_cache(
     if model.config.window is not None:
         raise ValueError("the paged cache keeps every position: it takes no sliding window")
     allocator = BlockAllocator(n_blocks, block_size) if allocator is None else allocator
-    weight = model.lm_head.weight
+    weight = model.embed.weight  # the activations' dtype, even where linears are quantized
     layers = []
     for layer in model.layers:
         shape = (n_blocks, block_size, layer.self_attn.n_kv_heads, layer.self_attn.d_head)
