@@ -106,3 +106,73 @@ def test_bad_input_is_refused_by_name():
     cache.update(*kv(2, 0))
     raises(lambda: cache.rewind(3), ValueError, "n=3 exceeds the 2 positions")
     raises(lambda: cache.update(*kv(1, 0), keep=-1), ValueError, "keep must be at least 0")
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+
+def _grown(dh: int = 4) -> GroupedKVCache:
+    """A growing cache holding 3 positions of (1, 2, ·, dh)."""
+    cache = GroupedKVCache()
+    cache.update(torch.randn(1, 2, 3, dh), torch.randn(1, 2, 3, dh))
+    return cache
+
+
+CACHE_PROBES = {
+    "3-D keys": (
+        lambda: GroupedKVCache().update(torch.randn(1, 2, 3), torch.randn(1, 2, 3)),
+        ValueError,
+        "k must be (B, Hkv, L, Dh), got shape (1, 2, 3)",
+    ),
+    "keys and values of two shapes": (
+        lambda: GroupedKVCache().update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5)),
+        ValueError,
+        "v (1, 2, 3, 5) must have k's shape (1, 2, 3, 4)",
+    ),
+    "more rows than preallocated": (
+        lambda: GroupedKVCache.preallocate(1, HKV, 8, DH).update(*kv(3, 0)),
+        ValueError,
+        "k (2, 3, 3, 4) must match the cache's (B, Hkv, L, Dh) (1, 3, 8, 4) in every dimension",
+    ),
+    "another head width than held": (
+        lambda: _grown().update(torch.randn(1, 2, 1, 5), torch.randn(1, 2, 1, 5)),
+        ValueError,
+        "k (1, 2, 1, 5) must match the cache's (B, Hkv, L, Dh) (1, 2, 3, 4)",
+    ),
+    "another latent width than preallocated": (
+        lambda: LatentKVCache.preallocate(1, 8, 4).update(torch.randn(1, 2, 5)),
+        ValueError,
+        "latent (1, 2, 5) must match the cache's (B, L, Dc + Dr) (1, 8, 4)",
+    ),
+    "dtype a str": (
+        lambda: GroupedKVCache.preallocate(1, 2, 8, 4, dtype="float32"),
+        TypeError,
+        "dtype must be a torch.dtype such as torch.bfloat16 or None, got str",
+    ),
+    "layers an int": (lambda: LMCache(5), TypeError, "layers must be a list of layer caches"),
+    "layers of ints": (
+        lambda: LMCache([1, 2]),
+        TypeError,
+        "layers[0] must be a layer's cache (GroupedKVCache, LatentKVCache, PagedKVCache), got int",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), CACHE_PROBES.values(), ids=CACHE_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)
+
+
+def test_a_refused_update_or_rewind_leaves_every_cache_as_it_was():
+    cache = _grown()
+    k_before = cache.k.clone()
+    raises(lambda: cache.update(*kv(1, 0)), ValueError, "must match the cache's")
+    assert (cache.seen, cache.held) == (3, 3) and torch.equal(cache.k, k_before)
+    # one layer with a sliding window that has dropped positions, one that holds them all
+    windowed = GroupedKVCache()
+    windowed.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), keep=2)
+    whole = LMCache([_grown(), windowed])
+    raises(lambda: whole.rewind(1), ValueError, "dropped 1 older positions")
+    assert [(layer.seen, layer.held) for layer in whole.layers] == [(3, 3), (3, 2)]

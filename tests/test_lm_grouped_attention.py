@@ -17,13 +17,14 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from helpers import raises
 from transformer_tutorial.attention import MultiHeadAttention
+from transformer_tutorial.lm.cache import LatentKVCache
 from transformer_tutorial.lm.grouped_attention import (
     GroupedKVCache,
     GroupedQueryAttention,
     kv_cache_bytes,
     repeat_kv,
 )
-from transformer_tutorial.lm.rotary import RotaryEmbedding, apply_rotary
+from transformer_tutorial.lm.rotary import RotaryEmbedding, RotaryPositions, apply_rotary
 from transformer_tutorial.masks import causal_mask
 
 D, H, DH = 32, 4, 8
@@ -475,3 +476,71 @@ def test_rewind_refuses_a_cache_that_dropped_positions():
     with torch.no_grad():
         ours(torch.randn(1, 4, D), cache=cache)
     raises(lambda: cache.rewind(1), ValueError, "dropped 3 older positions")
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+X3 = torch.randn(1, 3, 16)
+GROUPED_PROBES = {
+    "3-D keys": (
+        lambda: repeat_kv(torch.randn(2, 3, 4), 2),
+        ValueError,
+        "x must be (B, Hkv, S, Dh), got shape (2, 3, 4)",
+    ),
+    "x a list": (
+        lambda: GroupedQueryAttention(16, 2)([1.0]),
+        TypeError,
+        "x must be a Tensor (B, L, D=16), got list",
+    ),
+    "integer x": (
+        lambda: GroupedQueryAttention(16, 2)(X3.long()),
+        TypeError,
+        "x must be a floating-point tensor, got torch.int64",
+    ),
+    "a cache of latents": (
+        lambda: GroupedQueryAttention(16, 2)(X3, LatentKVCache()),
+        TypeError,
+        "cache must hold keys and values (the attention's empty_cache), got LatentKVCache",
+    ),
+    "position ids for 4 positions": (
+        lambda: GroupedQueryAttention(16, 2, positions=RotaryPositions(8))(
+            X3, position_ids=torch.arange(4)[None]
+        ),
+        ValueError,
+        "position_ids must be (B, L=3), got (1, 4)",
+    ),
+    "float position ids": (
+        lambda: GroupedQueryAttention(16, 2)(X3, position_ids=torch.zeros(1, 3)),
+        TypeError,
+        "position_ids must be an integer tensor, got torch.float32",
+    ),
+    "no rows": (
+        lambda: GroupedQueryAttention(16, 2).empty_cache(0),
+        ValueError,
+        "batch_size must be at least 1, got 0",
+    ),
+    "dropout 1": (
+        lambda: GroupedQueryAttention(16, 2, dropout=1.0),
+        ValueError,
+        "dropout must be in [0.0, 1.0), got 1.0",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), GROUPED_PROBES.values(), ids=GROUPED_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)
+
+
+def test_a_refused_call_leaves_the_cache_as_it_was():
+    attention = GroupedQueryAttention(16, 2)
+    cache = attention.empty_cache(1)
+    attention(X3, cache)
+    raises(
+        lambda: attention(X3, cache, key_padding_mask=torch.zeros(1, 3).bool()), ValueError, "6"
+    )
+    raises(lambda: attention(X3.long(), cache), TypeError, "x must be a floating-point")
+    raises(lambda: attention(X3[..., :8], cache), ValueError, "x must be (B, L, D=16)")
+    assert (cache.seen, cache.held) == (3, 3)

@@ -19,6 +19,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from helpers import lm_config, raises, randomized
+from transformer_tutorial.lm.cache import GroupedKVCache
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.deepseek_weights import (
     DEEPSEEK,
@@ -355,3 +356,55 @@ def test_bad_arguments_of_the_layer_are_refused_by_name():
         TypeError,
         "dtype must be a torch.dtype",
     )
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+
+def _mla(**changes) -> MultiHeadLatentAttention:
+    widths = dict(kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+    return MultiHeadLatentAttention(16, 2, **(widths | changes))
+
+
+X16 = torch.randn(1, 3, 16)
+LATENT_PROBES = {
+    "a cache of keys and values": (
+        lambda: _mla()(X16, GroupedKVCache()),
+        TypeError,
+        "cache must hold latents (the attention's empty_cache), got GroupedKVCache",
+    ),
+    "absorbed an int": (
+        lambda: _mla()(X16, absorbed=1),
+        TypeError,
+        "absorbed must be True or False, got 1",
+    ),
+    "no new positions": (
+        lambda: _mla().absorbs(0, 2),
+        ValueError,
+        "new must be at least 1, got 0",
+    ),
+    "negative cached positions": (
+        lambda: _mla().absorbs(1, -1),
+        ValueError,
+        "seen must be at least 0, got -1",
+    ),
+    "no rows": (lambda: _mla().empty_cache(0), ValueError, "batch_size must be at least 1, got 0"),
+    "integer x": (
+        lambda: _mla()(X16.long()),
+        TypeError,
+        "x must be a floating-point tensor, got torch.int64",
+    ),
+    "scaling a str": (
+        lambda: mla_softmax_scale(4, "yarn"),
+        TypeError,
+        "scaling must be a RopeScaling or None, got str",
+    ),
+    "dropout 1": (lambda: _mla(dropout=1.0), ValueError, "dropout must be in [0.0, 1.0), got 1.0"),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), LATENT_PROBES.values(), ids=LATENT_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)

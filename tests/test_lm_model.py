@@ -464,3 +464,56 @@ def test_reset_parameters_restores_gains_and_the_rotary_tables_after_to_empty():
     assert all(layer.self_attn.q_norm.weight.eq(1).all() for layer in lazy.layers)
     assert torch.equal(lazy.rotary.rotary.cos, built.rotary.rotary.cos)
     assert torch.equal(lazy.rotary.rotary.sin, built.rotary.rotary.sin)
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+MODEL_PROBES = {
+    "config a dict": (
+        lambda: LanguageModel({"vocab_size": 3}),
+        TypeError,
+        "config must be an LMConfig, got dict",
+    ),
+    "ids a list (step)": (
+        lambda: model().step([[1, 2]]),
+        TypeError,
+        "ids must be a Tensor (B, T), got list",
+    ),
+    "ids a list (forward)": (
+        lambda: model()([[1, 2]]),
+        TypeError,
+        "ids must be a Tensor, got list",
+    ),
+    "cache a list": (
+        lambda: model().step(ids(), [1]),
+        ValueError,
+        "cache must be an LMCache with one cache for each of the model's",
+    ),
+    "check_ids an int": (
+        lambda: model().step(ids(), check_ids=1),
+        TypeError,
+        "check_ids must be True or False, got 1",
+    ),
+    "float targets": (
+        lambda: next_token_loss(torch.randn(1, 3, 5), torch.tensor([[1.0, 2.0, 3.0]])),
+        TypeError,
+        "ids must be an integer tensor, got torch.float32",
+    ),
+    "integer logits": (
+        lambda: next_token_loss(torch.ones(1, 3, 5, dtype=torch.long), torch.ones(1, 3).long()),
+        TypeError,
+        "logits must be a floating-point tensor, got torch.int64",
+    ),
+    "ignore_index a float": (
+        lambda: next_token_loss(torch.randn(1, 3, 5), torch.ones(1, 3).long(), ignore_index=1.5),
+        TypeError,
+        "ignore_index must be an int, got 1.5",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), MODEL_PROBES.values(), ids=MODEL_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)

@@ -25,8 +25,10 @@ from transformer_tutorial.lm.rope_scaling import (
     RopeScaling,
     rotary_width,
     scaled_frequencies,
+    scaled_max_len,
     scaled_rotary,
     yarn_attention_factor,
+    yarn_ramp,
 )
 from transformer_tutorial.lm.rotary import LAYOUTS, RotaryPositions, qk_row_permutation
 
@@ -362,3 +364,68 @@ def test_a_model_with_yarn_and_partial_rotary_decodes_with_its_cache_as_it_reads
             logits, cache = model.step(ids[:, t : t + 1], cache)
             steps.append(logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+LINEAR = RopeScaling("linear", factor=2.0)
+YARN8 = RopeScaling("yarn", factor=2.0, original_max_position_embeddings=8)
+ROPE_SCALING_PROBES = {
+    "scaling a dict": (
+        lambda: scaled_frequencies(8, scaling={"rope_type": "linear", "factor": 2.0}),
+        TypeError,
+        "scaling must be a RopeScaling or None, got dict",
+    ),
+    "scaling a str (max_len)": (
+        lambda: scaled_max_len(10, "yarn"),
+        TypeError,
+        "scaling must be a RopeScaling or None, got str",
+    ),
+    "scaling a dict (hook)": (
+        lambda: scaled_rotary(8, scaling={"rope_type": "linear"}),
+        TypeError,
+        "scaling must be a RopeScaling or None, got dict",
+    ),
+    "ramp of a linear scaling": (
+        lambda: yarn_ramp(LINEAR, 8, 10000.0),
+        ValueError,
+        "scaling must be of rope_type='yarn', got 'linear'",
+    ),
+    "ramp with base 1": (
+        lambda: yarn_ramp(YARN8, 8, 1.0),
+        ValueError,
+        "base must be greater than 1.0, got 1.0",
+    ),
+    "ramp of no width": (
+        lambda: yarn_ramp(YARN8, 0, 10000.0),
+        ValueError,
+        "rotary_dim must be at least 2, got 0",
+    ),
+    "attention factor of a linear scaling": (
+        lambda: yarn_attention_factor(LINEAR),
+        ValueError,
+        "scaling must be of rope_type='yarn', got 'linear'",
+    ),
+    "parameters a list": (
+        lambda: RopeScaling.from_parameters([("rope_type", "linear")]),
+        TypeError,
+        "rope_parameters must be a mapping (a config's dict), got list",
+    ),
+    "infinite factor": (
+        lambda: RopeScaling("linear", factor=math.inf),
+        ValueError,
+        "factor must be at least 1.0, got inf",
+    ),
+    "checked an int": (
+        lambda: scaled_rotary(8, checked=1),
+        TypeError,
+        "checked must be True or False, got 1",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), ROPE_SCALING_PROBES.values(), ids=ROPE_SCALING_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)

@@ -359,3 +359,62 @@ def test_bad_input_raises_clear_errors():
         ValueError,
         "head_dim must be even",
     )
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+Q4, K4 = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+ROTARY_PROBES = {
+    "frequencies a list": (
+        lambda: RotaryEmbedding(8, frequencies=[1.0, 0.5]),
+        TypeError,
+        "frequencies must be a Tensor, got list",
+    ),
+    "integer frequencies": (
+        lambda: RotaryEmbedding(8, frequencies=torch.tensor([1, 2])),
+        TypeError,
+        "frequencies must be a floating-point tensor, got torch.int64",
+    ),
+    "NaN frequency": (
+        lambda: RotaryEmbedding(8, frequencies=torch.tensor([float("nan"), 1.0])),
+        ValueError,
+        "frequencies must be finite and positive, got [nan, 1.0]",
+    ),
+    "checked an int": (
+        lambda: RotaryEmbedding(8, checked=1),
+        TypeError,
+        "checked must be True or False, got 1",
+    ),
+    "infinite attention scaling": (
+        lambda: RotaryEmbedding(8, attention_scaling=float("inf")),
+        ValueError,
+        "attention_scaling must be greater than 0.0, got inf",
+    ),
+    "position ids a list": (
+        lambda: RotaryEmbedding(8)(Q4, [0, 1]),
+        TypeError,
+        "position_ids must be a Tensor, got list",
+    ),
+    "position ids for 4 of 5 positions": (
+        lambda: RotaryPositions(8)(Q4, K4, torch.arange(4)),
+        ValueError,
+        "position_ids (4,) must agree: (B, H, L, Dh), (B, Hkv, L, Dh), (B, L)",
+    ),
+    "integer queries": (
+        lambda: RotaryPositions(8)(Q4.long(), K4, torch.arange(5)),
+        TypeError,
+        "q must be a floating-point tensor, got torch.int64",
+    ),
+    "weight a list": (
+        lambda: convert_qk_weight([1.0, 2.0], 1, source="half_split", target="interleaved"),
+        TypeError,
+        "weight must be a Tensor, got list",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), ROTARY_PROBES.values(), ids=ROTARY_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)

@@ -258,3 +258,64 @@ def test_top_p_at_a_real_vocabulary_with_ties():
         dropped_ties = ((logits[0] == logits[0, kept].min()) & ~got[0]).nonzero()
         if len(dropped_ties):  # the cut split a tie group: the lower ids were kept
             assert least_ids.max() < dropped_ties.min()
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+LOGITS = torch.randn(3, V)
+PROMPT = torch.tensor([[1, 2]])
+SAMPLING_PROBES = {
+    "integer logits": (
+        lambda: top_k_filter(torch.tensor([[1, 2, 3]]), 2),
+        TypeError,
+        "logits must be a floating-point tensor, got torch.int64",
+    ),
+    "0-d logits": (
+        lambda: top_p_filter(torch.tensor(1.0), 0.5),
+        ValueError,
+        "logits must be (..., V) with V >= 1 tokens, got ()",
+    ),
+    "logits a list": (
+        lambda: next_token([[1.0, 2.0]]),
+        TypeError,
+        "logits must be a Tensor (B, V), got list",
+    ),
+    "no tokens": (lambda: next_token(torch.randn(2, 0)), ValueError, "V >= 1 tokens"),
+    "generator an int": (
+        lambda: next_token(LOGITS, generator=3),
+        TypeError,
+        "generator must be a torch.Generator or None, got int",
+    ),
+    "prompt a list": (
+        lambda: generate(tiny_lm(), [[1, 2]], 3),
+        TypeError,
+        "prompt must be a Tensor, got list",
+    ),
+    "float prompt": (
+        lambda: generate(tiny_lm(), PROMPT.float(), 3),
+        TypeError,
+        "prompt must be an integer tensor, got torch.float32",
+    ),
+    "model not a LanguageModel": (
+        lambda: generate(torch.nn.Linear(2, 2), PROMPT, 3),
+        TypeError,
+        "model must be a LanguageModel, got Linear",
+    ),
+    "pad_id outside the vocabulary": (
+        lambda: generate(tiny_lm(), PROMPT, 3, eos_id=1, pad_id=V),
+        ValueError,
+        f"pad_id={V} is no token of the model's vocabulary (0 to {V - 1})",
+    ),
+    "use_cache an int": (
+        lambda: generate(tiny_lm(), PROMPT, 3, use_cache=1),
+        TypeError,
+        "use_cache must be True or False, got 1",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), SAMPLING_PROBES.values(), ids=SAMPLING_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)

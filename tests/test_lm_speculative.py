@@ -167,3 +167,58 @@ def test_bad_input_is_refused_by_name():
         ValueError,
         "one row",
     )
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+P3, Q3 = torch.tensor([0.5, 0.25, 0.25]), torch.full((3,), 1 / 3)
+ONE = torch.tensor([[1, 2]])
+SPECULATIVE_PROBES = {
+    "eos_id outside the vocabulary": (
+        lambda: speculative_generate(_model(0), _model(1), ONE, 4, k=2, eos_id=V),
+        ValueError,
+        f"eos_id={V} is no token of the model's vocabulary (0 to {V - 1})",
+    ),
+    "draft not a LanguageModel": (
+        lambda: speculative_generate(_model(0), torch.nn.Linear(2, 2), ONE, 4, k=2),
+        TypeError,
+        "draft must be a LanguageModel, got Linear",
+    ),
+    "target not a LanguageModel": (
+        lambda: speculative_generate(None, _model(0), ONE, 4, k=2),
+        TypeError,
+        "target must be a LanguageModel, got NoneType",
+    ),
+    "token outside p": (
+        lambda: acceptance_probability(P3, Q3, 5),
+        ValueError,
+        "token=5 is outside the 3 tokens of p and q",
+    ),
+    "token a float": (
+        lambda: acceptance_probability(P3, Q3, 1.0),
+        TypeError,
+        "token must be an int, got 1.0",
+    ),
+    "p and q of two vocabularies": (
+        lambda: acceptance_probability(P3, torch.full((4,), 0.25), 1),
+        ValueError,
+        "p and q must be distributions over one vocabulary, got 3 and 4 tokens",
+    ),
+    "2-D distributions": (
+        lambda: residual_distribution(P3[None], Q3[None]),
+        ValueError,
+        "p must be (V,), got shape (1, 3)",
+    ),
+    "integer distribution": (
+        lambda: residual_distribution(torch.tensor([1, 0]), torch.tensor([0, 1])),
+        TypeError,
+        "p must be a floating-point tensor, got torch.int64",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), SPECULATIVE_PROBES.values(), ids=SPECULATIVE_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)

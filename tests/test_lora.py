@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from helpers import raises
+from transformer_tutorial import lora
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.hf_weights import LLAMA_NAMES, copy_to_llama, llama_config
 from transformer_tutorial.lm.model import LanguageModel
@@ -258,16 +259,103 @@ def test_bad_rank_dropout_and_targets_are_refused_by_name():
     raises(
         lambda: LoRALinear(nn.Linear(4, 4), rank=0, alpha=1),
         ValueError,
-        "rank must be a positive int, got 0",
+        "rank must be at least 1, got 0",
     )
     raises(lambda: LoRALinear(nn.Linear(4, 4), rank=-2, alpha=1), ValueError, "rank")
     raises(
         lambda: LoRALinear(nn.Linear(4, 4), rank=2, alpha=1, dropout=1.0),
         ValueError,
-        "dropout must be in [0, 1)",
+        "dropout must be in [0.0, 1.0), got 1.0",
     )
     raises(
         lambda: add_lora(_llama(0), targets=("c_attn",), rank=2, alpha=1),
         ValueError,
         "targets=('c_attn',) name no nn.Linear",
     )
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+LORA_PROBES = {
+    "infinite alpha": (
+        lambda: LoRALinear(nn.Linear(4, 4), rank=2, alpha=math.inf),
+        ValueError,
+        "alpha must be a finite number, got inf",
+    ),
+    "NaN alpha": (
+        lambda: LoRALinear(nn.Linear(4, 4), rank=2, alpha=math.nan),
+        ValueError,
+        "alpha must be a finite number, got nan",
+    ),
+    "alpha a str": (
+        lambda: LoRALinear(nn.Linear(4, 4), rank=2, alpha="1"),
+        TypeError,
+        "alpha must be a number, got '1' (str)",
+    ),
+    "dropout a str": (
+        lambda: LoRALinear(nn.Linear(4, 4), rank=2, alpha=1, dropout="0"),
+        TypeError,
+        "dropout must be a number, got '0' (str)",
+    ),
+    "a convolution": (
+        lambda: LoRALinear(nn.Conv1d(4, 4, 1), rank=2, alpha=1),
+        TypeError,
+        "base must be an nn.Linear, got Conv1d",
+    ),
+    "use_rslora an int": (
+        lambda: LoRALinear(nn.Linear(4, 4), rank=2, alpha=1, use_rslora=1),
+        TypeError,
+        "use_rslora must be True or False, got 1",
+    ),
+    "targets one str": (
+        lambda: add_lora(_llama(0), targets="q_proj", rank=2, alpha=1),
+        TypeError,
+        "targets must be a tuple of layer names such as ('q_proj', 'v_proj'), got 'q_proj'",
+    ),
+    "model an int": (
+        lambda: add_lora(3, targets=("q_proj",), rank=2, alpha=1),
+        TypeError,
+        "model must be an nn.Module, got int",
+    ),
+    "merge an int": (lambda: merge_lora(3), TypeError, "model must be an nn.Module, got int"),
+    "count an int": (
+        lambda: trainable_parameters(3),
+        TypeError,
+        "model must be an nn.Module, got int",
+    ),
+    "optimizer None": (
+        lambda: optimizer_state_bytes(None),
+        TypeError,
+        "optimizer must be a torch.optim.Optimizer, got NoneType",
+    ),
+}
+
+
+@pytest.mark.parametrize(("call", "error", "phrase"), LORA_PROBES.values(), ids=LORA_PROBES.keys())
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)
+
+
+def _trainable_and_layers(model: nn.Module) -> tuple[list[bool], list[type]]:
+    return [p.requires_grad for p in model.parameters()], [type(m) for m in model.modules()]
+
+
+def test_a_refused_add_lora_leaves_the_model_as_it_was(monkeypatch):
+    model = _llama(0)
+    before = _trainable_and_layers(model)
+    raises(lambda: add_lora(model, targets=ALL, rank=2, alpha=math.inf), ValueError, "alpha")
+    raises(lambda: add_lora(model, targets=ALL, rank=0, alpha=1), ValueError, "rank")
+    assert _trainable_and_layers(model) == before
+    # a layer that fails partway: the layers already wrapped are put back, the weights thawed
+    built = []
+
+    class FailsThird(LoRALinear):
+        def __init__(self, base, **kwargs):
+            if len(built) == 2:
+                raise RuntimeError("out of memory")
+            built.append(base)
+            super().__init__(base, **kwargs)
+
+    monkeypatch.setattr(lora, "LoRALinear", FailsThird)
+    raises(lambda: add_lora(model, targets=ALL, rank=2, alpha=1), RuntimeError, "out of memory")
+    assert len(built) == 2 and _trainable_and_layers(model) == before

@@ -122,3 +122,76 @@ def test_bad_bits_and_group_sizes_are_refused_by_name():
         ValueError,
         "group_size=64",
     )
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+Q44 = torch.zeros(4, 4, dtype=torch.int8)
+QUANTIZATION_PROBES = {
+    "weight a list": (
+        lambda: quantize_weight([[1.0]], bits=8),
+        TypeError,
+        "weight must be a Tensor, got list",
+    ),
+    "a NaN weight": (
+        lambda: quantize_weight(torch.tensor([[float("nan"), 1.0]]), bits=8),
+        ValueError,
+        "weight holds inf or NaN",
+    ),
+    "an infinite weight": (
+        lambda: quantize_weight(torch.tensor([[float("inf"), 1.0]]), bits=4),
+        ValueError,
+        "weight holds inf or NaN",
+    ),
+    "scales for 3 rows of 4": (
+        lambda: dequantize_weight(Q44, torch.ones(3, 1)),
+        ValueError,
+        "scale (3, 1) must be (out, G) for q (4, 4)",
+    ),
+    "3 groups of 4 inputs": (
+        lambda: dequantize_weight(Q44, torch.ones(4, 3)),
+        ValueError,
+        "G groups dividing its inputs",
+    ),
+    "float integers": (
+        lambda: dequantize_weight(Q44.float(), torch.ones(4, 1)),
+        TypeError,
+        "q must be int8 (quantize_weight's integers), got torch.float32",
+    ),
+    "a convolution": (
+        lambda: QuantizedLinear(nn.Conv1d(4, 4, 1), bits=8),
+        TypeError,
+        "linear must be an nn.Linear, got Conv1d",
+    ),
+    "5 inputs for 4": (
+        lambda: QuantizedLinear(nn.Linear(4, 4), bits=8)(torch.randn(2, 5)),
+        ValueError,
+        "x must be (..., in=4), got (2, 5)",
+    ),
+    "model an int": (
+        lambda: quantize_linears(3, bits=8),
+        TypeError,
+        "model must be an nn.Module, got int",
+    ),
+    "keep a list": (
+        lambda: quantize_linears(nn.Sequential(nn.Linear(4, 4)), bits=8, keep=["lm_head"]),
+        TypeError,
+        "keep must be a tuple of layer names such as ('lm_head',), got ['lm_head']",
+    ),
+    "another model's layers": (
+        lambda: round_trip_errors(
+            nn.Sequential(nn.Linear(4, 4)),
+            quantize_linears(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), bits=8),
+        ),
+        ValueError,
+        "quantized's layer '1' (4, 4) has no float layer of that name and shape in model",
+    ),
+    "count an int": (lambda: weight_bytes(3), TypeError, "model must be an nn.Module, got int"),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), QUANTIZATION_PROBES.values(), ids=QUANTIZATION_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)

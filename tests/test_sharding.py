@@ -4,6 +4,8 @@ before a rank dies resumes to the uninterrupted run's weights."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 
 import pytest
@@ -11,7 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import raises
 from transformer_tutorial import distributed, sharding
+from transformer_tutorial.checkpoint import CheckpointError
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
 from transformer_tutorial.lm.sampling import generate
@@ -174,3 +178,62 @@ def test_sharded_model_on_one_rank_gathers_in_every_layer(tmp_path):
         assert routers == ()  # a dense model
     finally:
         dist.destroy_process_group()
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+SHARDING_PROBES = {
+    "batch a list": (
+        lambda _: sharding.rank_rows([[1, 2]], rank=0, world_size=1),
+        TypeError,
+        "batch must be a Tensor, got list",
+    ),
+    "an empty folder": (
+        lambda folder: sharding.load_checkpoint(folder, *_model_and_optimizer(shard=False)),
+        CheckpointError,
+        "cannot read the checkpoint folder '{folder}': rank 0: ",
+    ),
+    "optimizer None": (
+        lambda folder: sharding.load_checkpoint(folder, _model_and_optimizer(False)[0], None),
+        TypeError,
+        "optimizer must be a torch.optim.Optimizer, got NoneType",
+    ),
+    "model an int": (
+        lambda folder: sharding.save_checkpoint(folder, 3, None, step=0),
+        TypeError,
+        "model must be an nn.Module, got int",
+    ),
+    "a file for a folder": (
+        lambda folder: sharding.save_checkpoint(
+            _file(folder), *_model_and_optimizer(shard=False), step=0
+        ),
+        CheckpointError,
+        "cannot write the checkpoint folder '{folder}/file': rank 0: FileExistsError",
+    ),
+}
+
+
+def _file(folder):
+    (folder / "file").write_text("not a folder")
+    return folder / "file"
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), SHARDING_PROBES.values(), ids=SHARDING_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase, tmp_path):
+    raises(lambda: call(tmp_path), error, phrase.format(folder=tmp_path))
+
+
+def test_loading_another_models_checkpoint_is_an_exception_and_changes_nothing(tmp_path):
+    """torch's CheckpointException is a BaseException: `except Exception` would not catch it."""
+    model, optimizer = _model_and_optimizer(shard=False)
+    sharding.save_checkpoint(tmp_path, model, optimizer, step=3)
+    torch.manual_seed(1)
+    wider = LanguageModel(dataclasses.replace(CONFIG, d_model=2 * CONFIG.d_model))
+    other_optimizer = torch.optim.AdamW(wider.parameters())
+    before = copy.deepcopy(wider.state_dict())
+    with pytest.raises(Exception, match="Size mismatch") as info:
+        sharding.load_checkpoint(tmp_path, wider, other_optimizer)
+    assert isinstance(info.value, CheckpointError) and str(tmp_path) in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in wider.state_dict().items())

@@ -8,6 +8,8 @@ the same dtype (against float64), and no fp16 overflow where sdpa has none."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -270,3 +272,72 @@ def test_bad_arguments(changes, error, phrase):
     args.update(changes)
     args["v"] = args["k"]
     raises(lambda: tiled_attention(**args), error, phrase)
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+QT, KT = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+TILED_PROBES = {
+    "float64 keys for float32 queries": (
+        lambda: tiled_attention(QT, KT.double(), KT.double()),
+        TypeError,
+        "q, k and v must share one dtype and device, got torch.float32 on cpu, torch.float64",
+    ),
+    "float64 values": (
+        lambda: tiled_attention(QT, KT, KT.double()),
+        TypeError,
+        "q, k and v must share one dtype and device",
+    ),
+    "integer inputs": (
+        lambda: tiled_attention(QT.long(), KT.long(), KT.long()),
+        TypeError,
+        "q must be a floating-point tensor, got torch.int64",
+    ),
+    "q a list": (
+        lambda: tiled_attention([1.0], KT, KT),
+        TypeError,
+        "q must be a Tensor, got list",
+    ),
+    "scale a str": (
+        lambda: tiled_attention(QT, KT, KT, scale="1"),
+        TypeError,
+        "scale must be a number, got '1' (str)",
+    ),
+    "negative scale": (
+        lambda: tiled_attention(QT, KT, KT, scale=-1.0),
+        ValueError,
+        "scale must be greater than 0.0, got -1.0",
+    ),
+    "NaN scale": (
+        lambda: tiled_attention(QT, KT, KT, scale=math.nan),
+        ValueError,
+        "scale must be greater than 0.0, got nan",
+    ),
+    "is_causal an int": (
+        lambda: tiled_attention(QT, KT, KT, is_causal=1),
+        TypeError,
+        "is_causal must be True or False, got 1",
+    ),
+    "scores a list": (
+        lambda: online_softmax([1.0, 2.0], block_size=2),
+        TypeError,
+        "x must be a Tensor, got list",
+    ),
+    "integer scores": (
+        lambda: online_softmax(torch.tensor([1, 2]), block_size=2),
+        TypeError,
+        "x must be a floating-point tensor, got torch.int64",
+    ),
+    "0-d scores": (
+        lambda: online_softmax(torch.tensor(1.0), block_size=2),
+        ValueError,
+        "x must have a last dimension to take the softmax over",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), TILED_PROBES.values(), ids=TILED_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)

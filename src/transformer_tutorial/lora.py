@@ -21,8 +21,20 @@ import math
 import torch
 from torch import Tensor, nn
 
+from transformer_tutorial.checks import check_bool, check_int, check_number, check_type
+
 # Base dtypes whose adapters are kept in float32 (peft's cast_adapter_dtype).
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_lora(rank: int, alpha: float, dropout: float, use_rslora: bool) -> None:
+    check_int("rank", rank, at_least=1)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"alpha must be a number, got {alpha!r} ({type(alpha).__name__})")
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha must be a finite number, got {alpha}")
+    check_number("dropout", dropout, low=0.0, high=1.0, high_open=True)
+    check_bool("use_rslora", use_rslora)
 
 
 class LoRALinear(nn.Module):
@@ -46,10 +58,8 @@ class LoRALinear(nn.Module):
         use_rslora: bool = False,
     ) -> None:
         super().__init__()
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-            raise ValueError(f"rank must be a positive int, got {rank!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        check_type("base", base, nn.Linear, "an nn.Linear")
+        _check_lora(rank, alpha, dropout, use_rslora)
         self.base = base.requires_grad_(False)
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
@@ -108,8 +118,13 @@ def add_lora(
 ) -> nn.Module:
     """Freeze every weight of ``model`` and wrap each ``nn.Linear`` whose name ends with one of
     ``targets`` (e.g. ``("q_proj", "v_proj")``) in a :class:`LoRALinear`, in place; returns
-    ``model``. An error if no layer matches."""
-    model.requires_grad_(False)
+    ``model``. An error if no layer matches; a refused call leaves the model as it was."""
+    check_type("model", model, nn.Module, "an nn.Module")
+    if not isinstance(targets, (tuple, list)) or not all(isinstance(t, str) for t in targets):
+        raise TypeError(
+            f"targets must be a tuple of layer names such as ('q_proj', 'v_proj'), got {targets!r}"
+        )
+    _check_lora(rank, alpha, dropout, use_rslora)
     found = [
         name
         for name, m in model.named_modules()
@@ -117,19 +132,30 @@ def add_lora(
     ]
     if not found:
         raise ValueError(f"targets={targets!r} name no nn.Linear of the model")
-    for name in found:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent)
-        lora = LoRALinear(
-            getattr(owner, child), rank=rank, alpha=alpha, dropout=dropout, use_rslora=use_rslora
-        )
-        setattr(owner, child, lora)
+    trainable = [p.requires_grad for p in model.parameters()]
+    replaced = []  # (owner, child, base): to put back if a layer fails
+    try:
+        model.requires_grad_(False)
+        for name in found:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            base = getattr(owner, child)
+            lora = LoRALinear(base, rank=rank, alpha=alpha, dropout=dropout, use_rslora=use_rslora)
+            setattr(owner, child, lora)
+            replaced.append((owner, child, base))
+    except BaseException:
+        for owner, child, base in reversed(replaced):
+            setattr(owner, child, base)
+        for p, flag in zip(model.parameters(), trainable, strict=True):
+            p.requires_grad_(flag)
+        raise
     return model
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
     """Replace each :class:`LoRALinear` of ``model`` by its base layer with the update merged
     in, in place; returns ``model``."""
+    check_type("model", model, nn.Module, "an nn.Module")
     for name, m in list(model.named_modules()):
         if isinstance(m, LoRALinear):
             m.merge()
@@ -140,11 +166,13 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 def trainable_parameters(model: nn.Module) -> int:
     """Weights that train (``requires_grad``)."""
+    check_type("model", model, nn.Module, "an nn.Module")
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors an optimizer holds (Adam: two moments per trainable weight, and a
     step count), measured as storage; zero before its first step."""
+    check_type("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
     tensors = [t for state in optimizer.state.values() for t in state.values()]
     return sum(t.untyped_storage().nbytes() for t in tensors if isinstance(t, Tensor))

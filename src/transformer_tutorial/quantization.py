@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformer_tutorial.checks import check_tensor, check_type
+
 QMAX = {8: 127, 4: 7}
 # Activations that take PyTorch's int8 kernel, which wants the scale in their dtype: float32
 # as stored, bf16 rounded from it. fp16 takes the dequantizing path: an fp16 scale underflows
@@ -48,16 +50,24 @@ def _check(bits: int, group_size: int | None, in_features: int) -> int:
     return group_size
 
 
+def _check_weight(weight: Tensor) -> None:
+    """A float matrix of finite numbers (one read back: quantizing is done once)."""
+    check_tensor("weight", weight)
+    if weight.dim() != 2 or not weight.dtype.is_floating_point:
+        raise ValueError(
+            f"weight must be a float (out, in) matrix, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    if not bool(weight.isfinite().all()):
+        raise ValueError("weight holds inf or NaN: its scales and integers would be NaN")
+
+
 def quantize_weight(
     weight: Tensor, *, bits: int, group_size: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """A float weight ``(out, in)`` → integers ``(out, in)`` int8 and scales
     ``(out, in // group_size)`` in float32, whatever the weight's dtype (the module docstring
     says why); ``group_size=None``: one scale per row."""
-    if weight.dim() != 2 or not weight.dtype.is_floating_point:
-        raise ValueError(
-            f"weight must be a float (out, in) matrix, got {weight.dtype} {tuple(weight.shape)}"
-        )
+    _check_weight(weight)
     out, inp = weight.shape
     g = _check(bits, group_size, inp)
     groups = weight.float().reshape(out, inp // g, g)  # (out, G, g) in float32
@@ -67,9 +77,23 @@ def quantize_weight(
     return q.to(torch.int8).reshape(out, inp), scale
 
 
+def _check_quantized(q: Tensor, scale: Tensor) -> None:
+    """int8 integers ``(out, in)`` and float scales ``(out, G)``, ``G`` dividing ``in``."""
+    check_tensor("q", q, dims=2, shape="(out, in)")
+    check_tensor("scale", scale, kind="float", dims=2, shape="(out, G)")
+    if q.dtype != torch.int8:
+        raise TypeError(f"q must be int8 (quantize_weight's integers), got {q.dtype}")
+    if scale.size(0) != q.size(0) or scale.size(1) == 0 or q.size(1) % scale.size(1):
+        raise ValueError(
+            f"scale {tuple(scale.shape)} must be (out, G) for q {tuple(q.shape)}: one row a row "
+            "of q, and G groups dividing its inputs"
+        )
+
+
 def dequantize_weight(q: Tensor, scale: Tensor) -> Tensor:
     """Integers ``(out, in)`` and scales ``(out, G)`` → the float weight they stand for, in
     the scales' dtype."""
+    _check_quantized(q, scale)
     out, inp = q.shape
     groups = q.reshape(out, scale.size(1), -1).to(scale.dtype)  # (out, G, g)
     return (groups * scale[..., None]).reshape(out, inp)
@@ -87,6 +111,7 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, *, bits: int, group_size: int | None = None) -> None:
         super().__init__()
+        check_type("linear", linear, nn.Linear, "an nn.Linear")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bits = bits
         self.group_size = _check(bits, group_size, linear.in_features)
@@ -101,6 +126,11 @@ class QuantizedLinear(nn.Module):
         """The float32 weight the integers stand for ``(out, in)`` (computed on each read)."""
         return dequantize_weight(self.qweight, self.scale)
 
+    def _check_input(self, x: Tensor) -> None:
+        check_tensor("x", x, kind="float")
+        if x.dim() == 0 or x.size(-1) != self.in_features:
+            raise ValueError(f"x must be (..., in={self.in_features}), got {tuple(x.shape)}")
+
     def _uses_int8_kernel(self, x: Tensor) -> bool:
         return (
             self.bits == 8
@@ -113,6 +143,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``(..., in)`` → ``(..., out)``."""
+        self._check_input(x)
         if not self._uses_int8_kernel(x):
             return F.linear(x, self.weight.to(x.dtype), self.bias)
         rows = x.reshape(-1, self.in_features)  # (N, in)
@@ -138,6 +169,9 @@ def quantize_linears(
     """A copy of ``model`` whose ``nn.Linear`` layers are :class:`QuantizedLinear` (the model
     itself is unchanged). Layers whose name ends with one of ``keep`` stay float: by default
     the output layer, which a tied model shares with the embedding."""
+    check_type("model", model, nn.Module, "an nn.Module")
+    if not isinstance(keep, (str, tuple)) or not all(isinstance(k, str) for k in keep):
+        raise TypeError(f"keep must be a tuple of layer names such as ('lm_head',), got {keep!r}")
     _check(bits, group_size, group_size or 1)
     quantized = copy.deepcopy(model)
     for name, module in list(quantized.named_modules()):
@@ -151,6 +185,7 @@ def quantize_linears(
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights: float parameters as stored, a :class:`QuantizedLinear` as its
     integers packed (``bits / 8`` bytes each) plus its scales and bias."""
+    check_type("model", model, nn.Module, "an nn.Module")
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
@@ -163,9 +198,18 @@ def weight_bytes(model: nn.Module) -> int:
 def round_trip_errors(model: nn.Module, quantized: nn.Module) -> dict[str, float]:
     """Each :class:`QuantizedLinear` of ``quantized``: its round-trip error
     ``‖W − Ŵ‖ / ‖W‖`` (Frobenius) against the float weight of the same name in ``model``."""
+    check_type("model", model, nn.Module, "an nn.Module")
+    check_type("quantized", quantized, nn.Module, "an nn.Module")
     errors = {}
+    layers = dict(model.named_modules())
     for name, m in quantized.named_modules():
         if isinstance(m, QuantizedLinear):
-            w = model.get_submodule(name).weight.detach()
+            w = getattr(layers.get(name), "weight", None)
+            if not isinstance(w, Tensor) or w.shape != m.qweight.shape:
+                raise ValueError(
+                    f"quantized's layer {name!r} {tuple(m.qweight.shape)} has no float layer of "
+                    f"that name and shape in model: pass the model quantize_linears copied"
+                )
+            w = w.detach()
             errors[name] = ((w - m.weight).norm() / w.norm()).item()
     return errors

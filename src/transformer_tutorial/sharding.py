@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
@@ -34,7 +35,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from transformer_tutorial.checks import check_int
+from transformer_tutorial.checkpoint import CheckpointError
+from transformer_tutorial.checks import check_int, check_tensor, check_type
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
 
 
@@ -43,6 +45,7 @@ def rank_rows(batch: Tensor, *, rank: int, world_size: int) -> Tensor:
     ``(rank+1)·B/N``. ``B`` must divide by ``world_size``: each rank's loss is the mean over its
     rows, and the ranks' average equals the global mean only when every rank has as many rows
     (of the same length: no padding)."""
+    check_tensor("batch", batch, kind="int")
     check_int("world_size", world_size, at_least=1)
     check_int("rank", rank, at_least=0)
     if rank >= world_size:
@@ -139,24 +142,49 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> HeldBytes:
     return HeldBytes(_storage_bytes(params), _storage_bytes(grads), _storage_bytes(state))
 
 
+def _check_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    check_type("model", model, nn.Module, "an nn.Module")
+    check_type("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
+
+
+def _failed(doing: str, path: str | Path, err: CheckpointException) -> CheckpointError:
+    """torch's ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses, as
+    a :class:`CheckpointError` naming the folder and each rank's cause."""
+    causes = "; ".join(
+        f"rank {rank}: {failure[0] if isinstance(failure, tuple) else failure!r}"
+        for rank, failure in sorted(err.failures.items())
+    )
+    return CheckpointError(f"cannot {doing} the checkpoint folder {str(path)!r}: {causes}")
+
+
 def save_checkpoint(
     path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int
 ) -> None:
     """Write a sharded checkpoint to the folder ``path``: every rank writes its own slices of
     the model and the optimizer state (``torch.distributed.checkpoint``), and the step."""
+    _check_state(model, optimizer)
     check_int("step", step, at_least=0)
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=path)
+    try:
+        dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=path)
+    except CheckpointException as err:
+        raise _failed("write", path, err) from err
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Read :func:`save_checkpoint`'s folder into ``model`` and ``optimizer`` (sharded as they
-    are now, whatever the world size that wrote it) and return the step it was saved at."""
+    are now, whatever the world size that wrote it) and return the step it was saved at. A
+    folder that does not hold such a checkpoint (another model's, an empty one) raises
+    :class:`~transformer_tutorial.checkpoint.CheckpointError`, the model unchanged."""
+    _check_state(model, optimizer)
     if not Path(path).is_dir():
         raise FileNotFoundError(f"path must be a checkpoint folder, {str(path)!r} is not one")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "step": -1}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as err:  # a BaseException: `except Exception` would miss it
+        raise _failed("read", path, err) from err
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

@@ -22,13 +22,20 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from transformer_tutorial.checks import check_int
+from transformer_tutorial.checks import check_bool, check_int, check_number, check_tensor
+
+
+def _check_scores(x: Tensor, block_size: int) -> None:
+    check_tensor("x", x, kind="float")
+    if x.dim() == 0:
+        raise ValueError("x must have a last dimension to take the softmax over, got a 0-d tensor")
+    check_int("block_size", block_size, at_least=1)
 
 
 def online_softmax(x: Tensor, *, block_size: int) -> Tensor:
     """softmax over the last dimension, reading ``x`` one block of ``block_size`` columns at a
     time and keeping only a running maximum ``m`` and a running sum ``l`` of ``exp(x − m)``."""
-    check_int("block_size", block_size, at_least=1)
+    _check_scores(x, block_size)
     m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device)
     l = torch.zeros_like(m)  # noqa: E741 (the paper's name)
     for start in range(0, x.size(-1), block_size):
@@ -153,6 +160,20 @@ class _TiledAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+def _check_tiled(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> None:
+    """Float q, k and v of one dtype and device; ``is_causal`` a bool; ``scale`` None or > 0."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, kind="float")
+    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+        raise TypeError(
+            f"q, k and v must share one dtype and device, got {q.dtype} on {q.device}, "
+            f"{k.dtype} on {k.device}, {v.dtype} on {v.device}"
+        )
+    check_bool("is_causal", is_causal)
+    if scale is not None:
+        check_number("scale", scale, low=0.0, low_open=True)
+
+
 def tiled_attention(
     q: Tensor,
     k: Tensor,
@@ -180,6 +201,7 @@ def tiled_attention(
         whose every key is blocked gets a zero output and zero gradients, as chapter 3's
         attention, never NaN.
     """
+    _check_tiled(q, k, v, is_causal, scale)
     check_int("block_q", block_q, at_least=1)
     check_int("block_k", block_k, at_least=1)
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:

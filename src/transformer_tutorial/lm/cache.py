@@ -23,7 +23,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from transformer_tutorial.checks import check_choice, check_int, check_optional_int
+from transformer_tutorial.checks import (
+    check_choice,
+    check_int,
+    check_optional_int,
+    check_tensor,
+    check_type,
+)
 
 # The kinds a caller can pick when decoding starts (chapter 23's "paged" has a module of its
 # own: it needs a block allocator shared by the layers).
@@ -64,6 +70,8 @@ class SequenceBuffers:
     def _allocate(
         cls, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype | None, device
     ) -> SequenceBuffers:
+        if dtype is not None:
+            check_type("dtype", dtype, torch.dtype, "a torch.dtype such as torch.bfloat16 or None")
         cache = cls()
         cache.buffers = tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes)
         cache.preallocated = True
@@ -81,6 +89,37 @@ class SequenceBuffers:
         if self.buffers is None:
             return 0
         return sum(b.untyped_storage().nbytes() for b in self.buffers)
+
+    def _check_new(self, new: dict[str, Tensor], shape: str) -> None:
+        """Before the cache changes: the new positions' tensors (by name), each ``shape``, of one
+        shape, and agreeing with what the cache holds in every dimension but the positions'."""
+        for name, x in new.items():
+            check_tensor(name, x, dims=len(shape.split(",")), shape=shape)
+        (first, x0), d = next(iter(new.items())), self.seq_dim
+        for name, x in new.items():
+            if x.shape != x0.shape:
+                raise ValueError(
+                    f"{name} {tuple(x.shape)} must have {first}'s shape {tuple(x0.shape)}"
+                )
+        if self.buffers is not None:
+            held = self.buffers[0].shape
+            if x0.shape[:d] + x0.shape[d + 1 :] != held[:d] + held[d + 1 :]:
+                raise ValueError(
+                    f"{first} {tuple(x0.shape)} must match the cache's {shape} {tuple(held)} in "
+                    f"every dimension but the positions' (dimension {d})"
+                )
+
+    def check_rewind(self, n: int) -> None:
+        """The errors :meth:`rewind` would raise, with nothing changed."""
+        check_int("n", n, at_least=0)
+        if n and self.held < self.seen:
+            raise ValueError(
+                f"the cache has dropped {self.seen - self.held} older positions (a sliding "
+                f"window): rewinding would leave later queries without them; preallocate a "
+                f"max_len that holds the whole sequence"
+            )
+        if n > self.held:
+            raise ValueError(f"n={n} exceeds the {self.held} positions the cache holds")
 
     def _append(self, new: tuple[Tensor, ...], keep: int | None) -> tuple[Tensor, ...]:
         """Add the new positions (``n`` along ``seq_dim`` in each tensor); return every held
@@ -124,15 +163,7 @@ class SequenceBuffers:
         """Forget the last ``n`` positions, as if they had never been given (speculative
         decoding drops the draft's rejected tokens, chapter 23). A cache that has dropped older
         positions (a sliding window) refuses: the positions a later query needs are gone."""
-        check_int("n", n, at_least=0)
-        if n and self.held < self.seen:
-            raise ValueError(
-                f"the cache has dropped {self.seen - self.held} older positions (a sliding "
-                f"window): rewinding would leave later queries without them; preallocate a "
-                f"max_len that holds the whole sequence"
-            )
-        if n > self.held:
-            raise ValueError(f"n={n} exceeds the {self.held} positions the cache holds")
+        self.check_rewind(n)
         self.seen, self.held = self.seen - n, self.held - n
         if not self.preallocated and self.buffers is not None:
             d = self.seq_dim
@@ -182,6 +213,7 @@ class GroupedKVCache(SequenceBuffers):
         """Add the new positions' keys and values ``(B, Hkv, L, Dh)``; return every held
         position's, new ones last, ``(B, Hkv, S, Dh)``. ``keep``: see
         :meth:`SequenceBuffers._append`."""
+        self._check_new({"k": k, "v": v}, "(B, Hkv, L, Dh)")
         k_all, v_all = self._append((k, v), keep)
         return k_all, v_all
 
@@ -216,6 +248,7 @@ class LatentKVCache(SequenceBuffers):
 
     def update(self, latent: Tensor) -> Tensor:
         """Add the new positions ``(B, L, Dc + Dr)``; return every position's, new ones last."""
+        self._check_new({"latent": latent}, "(B, L, Dc + Dr)")
         return self._append((latent,), None)[0]
 
 
@@ -225,8 +258,15 @@ class LMCache:
     so far, is the layers' own count (with a sliding window a layer holds fewer)."""
 
     def __init__(self, layers: Sequence[LayerCache]) -> None:
+        check_type("layers", layers, (list, tuple), "a list of layer caches")
         if not layers:
             raise ValueError("an LMCache needs one cache per layer, got none")
+        for i, layer in enumerate(layers):
+            if not (hasattr(layer, "seen") and hasattr(layer, "rewind")):
+                raise TypeError(
+                    f"layers[{i}] must be a layer's cache (GroupedKVCache, LatentKVCache, "
+                    f"PagedKVCache), got {type(layer).__name__}"
+                )
         self.layers = tuple(layers)
 
     @property
@@ -234,7 +274,11 @@ class LMCache:
         return self.layers[0].seen
 
     def rewind(self, n: int) -> None:
-        """Forget the last ``n`` positions in every layer."""
+        """Forget the last ``n`` positions in every layer; when one layer refuses, none has
+        changed (each is asked first)."""
+        for layer in self.layers:
+            if hasattr(layer, "check_rewind"):
+                layer.check_rewind(n)
         for layer in self.layers:
             layer.rewind(n)
 

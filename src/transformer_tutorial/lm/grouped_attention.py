@@ -21,6 +21,7 @@ from transformer_tutorial.checks import (
     check_int,
     check_number,
     check_optional_int,
+    check_tensor,
 )
 from transformer_tutorial.lm.cache import GroupedKVCache
 from transformer_tutorial.masks import (
@@ -43,6 +44,7 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
 
     Equal to ``torch.repeat_interleave(x, n_rep, dim=1)`` and to ``transformers``' ``repeat_kv``.
     """
+    check_tensor("x", x, dims=4, shape="(B, Hkv, S, Dh)")
     check_int("n_rep", n_rep, at_least=1)
     B, Hkv, S, Dh = x.shape
     if n_rep == 1:
@@ -68,6 +70,29 @@ def kv_cache_bytes(
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     return 2 * n_layers * batch_size * length * n_kv_heads * d_head * dtype.itemsize
+
+
+def check_attention_input(
+    attention: nn.Module, x: Tensor, cache: object, position_ids: Tensor | None
+) -> None:
+    """What a self-attention (chapter 16's, chapter 21's) is called with, before any cache
+    changes: ``x`` float ``(B, L, D)``, a cache that holds what it keeps (its
+    ``cache_holds``), position ids ``(B, L)`` or ``(L,)``."""
+    D = attention.d_model
+    check_tensor("x", x, kind="float", dims=3, shape=f"(B, L, D={D})")
+    if x.size(-1) != D:
+        raise ValueError(f"x must be (B, L, D={D}), got {tuple(x.shape)}")
+    if cache is not None and getattr(cache, "holds", None) != attention.cache_holds:
+        raise TypeError(
+            f"cache must hold {attention.cache_holds} (the attention's empty_cache), got "
+            f"{type(cache).__name__}"
+        )
+    if position_ids is not None:
+        check_tensor("position_ids", position_ids, kind="int", dims=(1, 2), shape="(B, L)")
+        if position_ids.size(-1) != x.size(1):
+            raise ValueError(
+                f"position_ids must be (B, L={x.size(1)}), got {tuple(position_ids.shape)}"
+            )
 
 
 class GroupedQueryAttention(nn.Module):
@@ -135,7 +160,7 @@ class GroupedQueryAttention(nn.Module):
         check_bool("bias", bias)
         check_bool("qk_norm", qk_norm)
         check_number("norm_eps", norm_eps, low=0.0, low_open=True)
-        check_number("dropout", dropout, low=0.0, high=1.0)
+        check_number("dropout", dropout, low=0.0, high=1.0, high_open=True)
         if d_head is None and d_model % n_heads:
             raise ValueError(
                 f"d_model={d_model} must be divisible by n_heads={n_heads} (or pass d_head): "
@@ -171,8 +196,7 @@ class GroupedQueryAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
         """``x`` ``(B, L, D)`` → ``(B, L, D)``; with ``cache``, after the positions it holds."""
-        if x.dim() != 3 or x.size(-1) != self.d_model:
-            raise ValueError(f"x must be (B, L, D={self.d_model}), got {tuple(x.shape)}")
+        check_attention_input(self, x, cache, position_ids)
         B, L, _ = x.shape
         seen = 0 if cache is None else cache.seen
         # before the cache changes: a mask over every position so far
@@ -222,6 +246,7 @@ class GroupedQueryAttention(nn.Module):
     ) -> GroupedKVCache:
         """An empty cache for this attention: growing (``max_len`` None) or preallocated for
         ``max_len`` positions of ``batch_size`` rows."""
+        check_int("batch_size", batch_size, at_least=1)
         if max_len is None:
             return GroupedKVCache()
         return GroupedKVCache.preallocate(

@@ -31,8 +31,8 @@ from transformer_tutorial.checks import (
     check_optional_int,
 )
 from transformer_tutorial.lm.cache import LatentKVCache
-from transformer_tutorial.lm.grouped_attention import PositionHook
-from transformer_tutorial.lm.rope_scaling import RopeScaling
+from transformer_tutorial.lm.grouped_attention import PositionHook, check_attention_input
+from transformer_tutorial.lm.rope_scaling import RopeScaling, check_scaling
 from transformer_tutorial.masks import causal_mask, check_padding_mask, merge_masks
 from transformer_tutorial.norms import RMSNorm
 
@@ -65,6 +65,7 @@ def mla_softmax_scale(qk_head_dim: int, scaling: RopeScaling | None = None) -> f
     ``mscale_all_dim`` (DeepSeek's ``0.1 · mscale_all_dim · ln(factor) + 1``, squared), as
     ``transformers``' ``yarn_apply_mscale``."""
     check_int("qk_head_dim", qk_head_dim, at_least=1)
+    check_scaling(scaling)
     scale = qk_head_dim**-0.5
     if scaling is not None and scaling.mscale_all_dim and scaling.factor > 1:
         mscale = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
@@ -153,7 +154,7 @@ class MultiHeadLatentAttention(nn.Module):
             q_lora_rank=q_lora_rank,
         )
         check_number("latent_norm_eps", latent_norm_eps, low=0.0, low_open=True)
-        check_number("dropout", dropout, low=0.0, high=1.0)
+        check_number("dropout", dropout, low=0.0, high=1.0, high_open=True)
         if absorbed is not None:
             check_bool("absorbed", absorbed)
         if softmax_scale is not None:
@@ -194,8 +195,7 @@ class MultiHeadLatentAttention(nn.Module):
         """``x`` ``(B, L, D)`` → ``(B, L, D)``; with ``cache``, after the positions it holds.
         ``absorbed``: True, the decoding form, attending over the latents themselves; False,
         every held latent up-projected; None (the default): :meth:`absorbs` chooses."""
-        if x.dim() != 3 or x.size(-1) != self.d_model:
-            raise ValueError(f"x must be (B, L, D={self.d_model}), got {tuple(x.shape)}")
+        self._check_input(x, cache, position_ids, absorbed)
         B, L, _ = x.shape
         H, Dc, Dn, Dr = self.n_heads, self.kv_lora_rank, self.d_nope, self.d_rope
         seen = 0 if cache is None else cache.seen
@@ -224,11 +224,20 @@ class MultiHeadLatentAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B, L, H * self.d_v)  # 6) concat heads
         return self.out_proj(out)
 
+    def _check_input(
+        self, x: Tensor, cache: object, position_ids: Tensor | None, absorbed: object
+    ) -> None:
+        check_attention_input(self, x, cache, position_ids)
+        if absorbed is not None:
+            check_bool("absorbed", absorbed)
+
     def absorbs(self, new: int, seen: int) -> bool:
         """Whether a call of ``new`` positions after ``seen`` cached ones takes the absorbed
         form when its caller does not say: the module's ``absorbed`` if set, else True only
         after cached positions and when the absorbed form costs fewer multiply-adds (the
         class's "Which form runs", with ``L = new`` and ``S = seen + new``)."""
+        check_int("new", new, at_least=1)
+        check_int("seen", seen, at_least=0)
         if self.absorbed is not None:
             return self.absorbed
         Dc, d_kv = self.kv_lora_rank, self.d_nope + self.d_v
@@ -243,6 +252,7 @@ class MultiHeadLatentAttention(nn.Module):
         device: torch.device | str | None = None,
     ) -> LatentKVCache:
         """An empty cache of latents: growing (``max_len`` None) or preallocated."""
+        check_int("batch_size", batch_size, at_least=1)
         if max_len is None:
             return LatentKVCache()
         width = self.kv_lora_rank + self.d_rope

@@ -23,7 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_tutorial.checks import check_int, check_optional_int
+from transformer_tutorial.checks import (
+    check_bool,
+    check_int,
+    check_optional_int,
+    check_tensor,
+    check_type,
+)
 from transformer_tutorial.lm.cache import LMCache, check_cache_kind
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.layer import DecoderOnlyLayer
@@ -46,6 +52,7 @@ class LanguageModel(nn.Module):
 
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
+        check_type("config", config, LMConfig, "an LMConfig")
         self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
         self.embed_scale = math.sqrt(c.d_model) if c.scale_embeddings else 1.0
@@ -142,7 +149,8 @@ class LanguageModel(nn.Module):
         ``padding_mask``: see the class. ``check_ids=False`` skips the ids' range check, one
         read back from the device: for ids the model itself chose (:func:`generate` does)."""
         if cache is None:
-            cache = self.new_cache(ids.size(0) if ids.dim() == 2 else 1)
+            check_tensor("ids", ids, kind="int", dims=2, shape="(B, T)")
+            cache = self.new_cache(ids.size(0))
         return self._run(ids, cache, padding_mask, check_ids=check_ids)[0], cache
 
     def forward_with_router_logits(
@@ -163,10 +171,8 @@ class LanguageModel(nn.Module):
         check_ids: bool,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The one path: logits ``(B, T_new, V)`` and the routers' logits of MoE layers."""
+        self._check_ids(ids, cache, read_range=check_ids)
         start = 0 if cache is None else cache.length
-        self._check_ids(ids, start, read_range=check_ids)
-        if cache is not None:
-            self._check_cache(cache, ids.size(0))
         position_ids = self._left_padding(padding_mask, ids, start)
         caches = (None,) * len(self.layers) if cache is None else cache.layers
         x = self.positions(self.embed(ids) * self.embed_scale, start)  # (B, T_new, D)
@@ -218,12 +224,18 @@ class LanguageModel(nn.Module):
                 f"the batch it started with"
             )
 
-    def _check_ids(self, ids: Tensor, start: int, *, read_range: bool = True) -> None:
+    def _check_ids(self, ids: Tensor, cache: LMCache | None, *, read_range: bool) -> None:
+        """Before anything changes: the ids, the cache (if any) and the positions they reach."""
+        check_tensor("ids", ids)
         if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise ValueError(
                 f"ids must be integer token ids of shape (B, T), got {ids.dtype} "
                 f"{tuple(ids.shape)}"
             )
+        check_bool("check_ids", read_range)
+        if cache is not None:
+            self._check_cache(cache, ids.size(0))
+        start = 0 if cache is None else cache.length
         # Positions: counted on the host, so the rotary tables need no check of their own.
         if start + ids.size(1) > self.config.max_len:
             raise ValueError(
@@ -244,6 +256,22 @@ class LanguageModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def _check_loss_inputs(logits: Tensor, ids: Tensor, ignore_index: int | None) -> None:
+    check_tensor("logits", logits, kind="float")
+    check_tensor("ids", ids, kind="int")
+    if logits.dim() != 3 or logits.shape[:2] != ids.shape:
+        raise ValueError(
+            f"logits must be (B, T, V) for ids (B, T) = {tuple(ids.shape)}, "
+            f"got {tuple(logits.shape)}"
+        )
+    if ids.size(1) < 2:
+        raise ValueError(
+            f"ids need at least 2 positions to predict a next token, got {ids.size(1)}"
+        )
+    if ignore_index is not None:
+        check_int("ignore_index", ignore_index)
+
+
 def next_token_loss(logits: Tensor, ids: Tensor, *, ignore_index: int | None = None) -> Tensor:
     """Mean cross-entropy of predicting ``ids[:, t + 1]`` from ``logits[:, t]``.
 
@@ -255,15 +283,7 @@ def next_token_loss(logits: Tensor, ids: Tensor, *, ignore_index: int | None = N
     The last position has no next token and the first token is never a target: ``B · (T - 1)``
     predictions, fewer those whose target is ``ignore_index``.
     """
-    if logits.dim() != 3 or logits.shape[:2] != ids.shape:
-        raise ValueError(
-            f"logits must be (B, T, V) for ids (B, T) = {tuple(ids.shape)}, "
-            f"got {tuple(logits.shape)}"
-        )
-    if ids.size(1) < 2:
-        raise ValueError(
-            f"ids need at least 2 positions to predict a next token, got {ids.size(1)}"
-        )
+    _check_loss_inputs(logits, ids, ignore_index)
     predictions = logits[:, :-1].flatten(0, 1)  # (B·(T-1), V)
     targets = ids[:, 1:].flatten()  # (B·(T-1),)
     return F.cross_entropy(

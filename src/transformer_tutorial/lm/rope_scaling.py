@@ -32,7 +32,13 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from transformer_tutorial.checks import check_bool, check_choice, check_int, check_number
+from transformer_tutorial.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_type,
+)
 from transformer_tutorial.lm.rotary import RotaryPositions, rotary_frequencies
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -137,6 +143,7 @@ class RopeScaling:
         """From ``transformers``' ``rope_parameters`` (``"type"`` read as ``"rope_type"``,
         None values as absent); ``rope_theta`` and ``partial_rotary_factor`` are the caller's.
         None for ``"default"``."""
+        check_type("rope_parameters", parameters, Mapping, "a mapping (a config's dict)")
         kwargs = {k: v for k, v in parameters.items() if v is not None}
         legacy = kwargs.pop("type", "default")  # transformers 4's name for it
         kwargs.setdefault("rope_type", legacy)
@@ -159,10 +166,23 @@ class RopeScaling:
         return {"rope_type": self.rope_type} | chosen
 
 
+def check_scaling(scaling: object, *, rope_type: str | None = None) -> None:
+    """``scaling`` must be a :class:`RopeScaling` (of ``rope_type`` if given) or None (when
+    ``rope_type`` is not given): ``RopeScaling.from_parameters`` reads a config's dict."""
+    if rope_type is None:
+        if scaling is not None:
+            check_type("scaling", scaling, RopeScaling, "a RopeScaling or None")
+        return
+    check_type("scaling", scaling, RopeScaling, f"a RopeScaling of rope_type={rope_type!r}")
+    if scaling.rope_type != rope_type:
+        raise ValueError(f"scaling must be of rope_type={rope_type!r}, got {scaling.rope_type!r}")
+
+
 def yarn_attention_factor(scaling: RopeScaling) -> float:
     """YaRN's multiplier of cos and sin: ``attention_factor`` if given, else ``0.1 ln(s) + 1``
     for ``s = factor`` (1 for ``s ≤ 1``), or with DeepSeek's ``mscale`` and ``mscale_all_dim``
     the ratio ``(0.1 · mscale · ln s + 1) / (0.1 · mscale_all_dim · ln s + 1)``."""
+    check_scaling(scaling, rope_type="yarn")
     if scaling.attention_factor is not None:
         return float(scaling.attention_factor)
 
@@ -178,6 +198,9 @@ def yarn_ramp(scaling: RopeScaling, rotary_dim: int, base: float) -> Tensor:
     """YaRN's share of each frequency that is interpolated, ``(Dr/2,)``: 0 for pairs turning
     more than ``beta_fast`` times over ``L``, 1 for those turning fewer than ``beta_slow``
     times, linear in the pair's index between."""
+    check_scaling(scaling, rope_type="yarn")
+    check_int("rotary_dim", rotary_dim, at_least=2)
+    check_number("base", base, low=1.0, low_open=True)
     L = scaling.original_max_position_embeddings
 
     def index(rotations: float) -> float:  # the pair i whose θ_i turns `rotations` times over L
@@ -209,6 +232,7 @@ def scaled_frequencies(
         scaling: a :class:`RopeScaling`, None for ``"default"``.
         seq_len: ``"dynamic"`` only: the sequence's length (None: not past ``L``).
     """
+    check_scaling(scaling)
     theta = rotary_frequencies(rotary_dim, base)  # (Dr/2,)
     kind = "default" if scaling is None else scaling.rope_type
     if seq_len is not None and kind != "dynamic":
@@ -249,6 +273,7 @@ def scaled_max_len(max_position_embeddings: int, scaling: RopeScaling | None) ->
     (Llama 3.2-1B: 131,072, where 32 × 8,192 would be twice its context), and ``"linear"``
     states no trained length."""
     check_int("max_position_embeddings", max_position_embeddings, at_least=1)
+    check_scaling(scaling)
     if scaling is None or scaling.rope_type != "yarn":
         return max_position_embeddings
     reach = int(scaling.factor * scaling.original_max_position_embeddings)
@@ -282,6 +307,7 @@ def scaled_rotary(
     factor applied once (to the cos and sin tables), rotating the first
     ``int(Dh · partial_rotary_factor)`` coordinates of each head. Refuses :data:`REFUSED`.
     ``checked``: as :class:`~transformer_tutorial.lm.rotary.RotaryEmbedding`."""
+    check_scaling(scaling)
     if scaling is not None and scaling.rope_type in REFUSED:
         raise ValueError(REFUSED[scaling.rope_type])
     width = rotary_width(head_dim, partial_rotary_factor)

@@ -25,7 +25,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from transformer_tutorial.checks import check_choice, check_int, check_number
+from transformer_tutorial.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_tensor,
+)
 
 LAYOUTS = ("half_split", "interleaved", "half_split_negative")
 
@@ -45,6 +51,20 @@ def rotary_frequencies(head_dim: int, base: float = 10000.0) -> Tensor:
     check_number("base", base, low=1.0, low_open=True)
     two_i = torch.arange(0, head_dim, 2, dtype=torch.float64)  # (Dh/2,)
     return base ** (-two_i / head_dim)
+
+
+def _check_frequencies(frequencies: Tensor, head_dim: int) -> None:
+    """1 to ``Dh/2`` finite, positive float frequencies (read once, when the tables are
+    built)."""
+    check_int("head_dim", head_dim, at_least=2)
+    check_tensor("frequencies", frequencies, kind="float")
+    if frequencies.dim() != 1 or not 1 <= len(frequencies) <= head_dim // 2:
+        raise ValueError(
+            f"frequencies must be 1-D with 1 to head_dim/2 = {head_dim // 2} entries, "
+            f"got shape {tuple(frequencies.shape)}"
+        )
+    if not bool((frequencies.isfinite() & (frequencies > 0)).all()):
+        raise ValueError(f"frequencies must be finite and positive, got {frequencies.tolist()}")
 
 
 class RotaryEmbedding(nn.Module):
@@ -90,16 +110,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         check_int("max_len", max_len, at_least=1)
         check_number("attention_scaling", attention_scaling, low=0.0, low_open=True)
+        check_bool("checked", checked)
         if frequencies is None:
             with torch.device("cpu"):  # even under a meta device: the tables' recipe is values
                 theta = rotary_frequencies(head_dim, base)  # (Dh/2,)
         else:
-            check_int("head_dim", head_dim, at_least=2)
-            if frequencies.dim() != 1 or not 1 <= len(frequencies) <= head_dim // 2:
-                raise ValueError(
-                    f"frequencies must be 1-D with 1 to head_dim/2 = {head_dim // 2} entries, "
-                    f"got shape {tuple(frequencies.shape)}"
-                )
+            _check_frequencies(frequencies, head_dim)
             theta = frequencies.double()  # (Dr/2,)
         self.head_dim, self.max_len, self.base = head_dim, max_len, base
         self.attention_scaling, self.checked = attention_scaling, checked
@@ -124,6 +140,8 @@ class RotaryEmbedding(nn.Module):
             self.sin.copy_(sin)
 
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        check_tensor("x", x, kind="float")
+        check_tensor("position_ids", position_ids)
         if position_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
         if self.checked and position_ids.numel():
@@ -184,6 +202,7 @@ class RotaryPositions(nn.Module):
         self.layout = layout
 
     def forward(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        _check_queries_and_keys(q, k, position_ids)
         cos, sin = self.rotary(q, position_ids)  # (B, L, Dr) each
         width = cos.size(-1)
         if width == q.size(-1):
@@ -198,6 +217,20 @@ class RotaryPositions(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layout={self.layout!r}"
+
+
+def _check_queries_and_keys(q: Tensor, k: Tensor, position_ids: Tensor) -> None:
+    """q ``(B, H, L, Dh)`` and k ``(B, Hkv, L, Dh)`` of one width and length, and a position
+    for each of their ``L`` positions."""
+    check_tensor("q", q, kind="float", dims=4, shape="(B, H, L, Dh)")
+    check_tensor("k", k, kind="float", dims=4, shape="(B, Hkv, L, Dh)")
+    check_tensor("position_ids", position_ids)
+    L = q.size(-2)
+    if k.size(-2) != L or k.size(-1) != q.size(-1) or position_ids.size(-1) != L:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)} and position_ids "
+            f"{tuple(position_ids.shape)} must agree: (B, H, L, Dh), (B, Hkv, L, Dh), (B, L)"
+        )
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -291,6 +324,7 @@ def convert_qk_weight(weight: Tensor, n_heads: int, *, source: str, target: str)
             grouped-query attention.
         source, target: layouts, each one of ``LAYOUTS``.
     """
+    check_tensor("weight", weight)
     check_int("n_heads", n_heads, at_least=1)
     rows = weight.size(0) if weight.dim() else 0
     if rows == 0 or rows % n_heads:

@@ -10,14 +10,30 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from transformer_tutorial.checks import check_bool, check_int, check_number, check_optional_int
+from transformer_tutorial.checks import (
+    check_bool,
+    check_int,
+    check_number,
+    check_optional_int,
+    check_tensor,
+    check_type,
+)
 from transformer_tutorial.lm.cache import check_cache_kind
 from transformer_tutorial.lm.model import LanguageModel
+
+
+def _check_logits(logits: Tensor) -> None:
+    """Float logits ``(..., V)``, ``V >= 1``: integer scores would be rounded and a filter's
+    ``-inf`` cannot be stored in them."""
+    check_tensor("logits", logits, kind="float")
+    if logits.dim() == 0 or logits.size(-1) == 0:
+        raise ValueError(f"logits must be (..., V) with V >= 1 tokens, got {tuple(logits.shape)}")
 
 
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     """``logits / temperature``: below 1 sharpens the distribution towards the most likely
     token (greedy in the limit), above 1 flattens it towards uniform."""
+    _check_logits(logits)
     check_number("temperature", temperature, low=0.0, low_open=True)
     return logits / temperature
 
@@ -28,6 +44,7 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
     Shapes:
         ``(..., V)`` → ``(..., V)``.
     """
+    _check_logits(logits)
     check_int("top_k", k, at_least=1)
     k = min(k, logits.size(-1))
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1) the k-th largest
@@ -49,6 +66,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     Shapes:
         ``(..., V)`` → ``(..., V)``.
     """
+    _check_logits(logits)
     check_number("top_p", p, low=0.0, high=1.0, low_open=True)
     if p == 1.0:
         return logits
@@ -98,10 +116,12 @@ def next_token(
     """One token per row of ``logits`` ``(B, V)`` → ``(B,)``: the most likely one when
     ``greedy``, else a sample from the filtered distribution (reproducible with a seeded
     ``generator`` on the logits' device)."""
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be (B, V), got {tuple(logits.shape)}")
+    check_tensor("logits", logits, kind="float", dims=2, shape="(B, V)")
+    _check_logits(logits)
     check_bool("greedy", greedy)
     check_sampling(temperature, top_k, top_p)
+    if generator is not None:
+        check_type("generator", generator, torch.Generator, "a torch.Generator or None")
     if greedy:
         return logits.argmax(dim=-1)
     filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -117,6 +137,8 @@ def next_token(
 def check_prompt(model: LanguageModel, prompt: Tensor, max_new_tokens: int) -> None:
     """Refuse a prompt that is not ``(B, T0)`` ids with ``T0 >= 1``, or that would grow past the
     model's ``max_len`` with ``max_new_tokens`` more."""
+    check_type("model", model, LanguageModel, "a LanguageModel")
+    check_tensor("prompt", prompt, kind="int")
     check_int("max_new_tokens", max_new_tokens, at_least=0)
     if prompt.dim() != 2 or prompt.size(1) < 1:
         raise ValueError(f"prompt must be (B, T0) ids with T0 >= 1, got {tuple(prompt.shape)}")
@@ -126,6 +148,19 @@ def check_prompt(model: LanguageModel, prompt: Tensor, max_new_tokens: int) -> N
             f"prompt length {prompt.size(1)} + max_new_tokens {max_new_tokens} = {total} "
             f"exceeds the model's max_len={model.config.max_len}"
         )
+
+
+def check_stop_ids(model: LanguageModel, *, eos_id: int | None, pad_id: int | None = None) -> None:
+    """``eos_id`` and ``pad_id``: None or a token of the model's vocabulary (an ``eos_id``
+    outside it could never stop a row; a ``pad_id`` outside it is fed to the model once a row
+    has finished)."""
+    for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+        check_optional_int(name, value, at_least=0)
+        if value is not None and value >= model.config.vocab_size:
+            raise ValueError(
+                f"{name}={value} is no token of the model's vocabulary (0 to "
+                f"{model.config.vocab_size - 1})"
+            )
 
 
 @torch.no_grad()
@@ -167,14 +202,9 @@ def generate(
         ``(B, T0 + n)`` ids, prompt included, ``n <= max_new_tokens``.
     """
     check_prompt(model, prompt, max_new_tokens)
-    check_optional_int("eos_id", eos_id, at_least=0)
-    check_optional_int("pad_id", pad_id, at_least=0)
-    if eos_id is not None and eos_id >= model.config.vocab_size:
-        raise ValueError(
-            f"eos_id={eos_id} is no token of the model's vocabulary (0 to "
-            f"{model.config.vocab_size - 1}): generation could never stop at it"
-        )
+    check_stop_ids(model, eos_id=eos_id, pad_id=pad_id)
     check_sampling(temperature, top_k, top_p)
+    check_bool("use_cache", use_cache)
     total = prompt.size(1) + max_new_tokens
     fill = eos_id if pad_id is None else pad_id
     ids = prompt

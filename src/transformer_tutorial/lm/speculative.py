@@ -20,19 +20,39 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from transformer_tutorial.checks import check_bool, check_int, check_optional_int
+from transformer_tutorial.checks import check_bool, check_int, check_tensor, check_type
 from transformer_tutorial.lm.model import LanguageModel
-from transformer_tutorial.lm.sampling import check_prompt, check_sampling, filter_logits
+from transformer_tutorial.lm.sampling import (
+    check_prompt,
+    check_sampling,
+    check_stop_ids,
+    filter_logits,
+)
+
+
+def _check_distributions(p: Tensor, q: Tensor) -> None:
+    """``p`` and ``q``: float distributions over one vocabulary, ``(V,)`` each."""
+    check_tensor("p", p, kind="float", dims=1, shape="(V,)")
+    check_tensor("q", q, kind="float", dims=1, shape="(V,)")
+    if p.shape != q.shape:
+        raise ValueError(
+            f"p and q must be distributions over one vocabulary, got {len(p)} and {len(q)} tokens"
+        )
 
 
 def acceptance_probability(p: Tensor, q: Tensor, token: int) -> Tensor:
     """``min(1, p(token) / q(token))``: the chance that a proposal drawn from ``q`` is kept."""
+    _check_distributions(p, q)
+    check_int("token", token, at_least=0)
+    if token >= len(p):
+        raise ValueError(f"token={token} is outside the {len(p)} tokens of p and q")
     return torch.clamp(p[token] / q[token], max=1.0)
 
 
 def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
     """``max(0, p - q)`` normalised: what a rejected proposal is replaced by. Where ``p == q``
     nothing is ever rejected, and ``p`` itself is returned."""
+    _check_distributions(p, q)
     rest = (p - q).clamp(min=0.0)
     total = rest.sum()
     return p if total == 0 else rest / total
@@ -80,6 +100,8 @@ def speculative_generate(
     :func:`~transformer_tutorial.lm.sampling.generate` gives greedily, or samples from its
     distribution (same filters, applied to both models). Both models keep
     preallocated caches, rewound past the rejected proposals."""
+    check_type("target", target, LanguageModel, "a LanguageModel")
+    check_type("draft", draft, LanguageModel, "a LanguageModel")
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"the draft's vocabulary ({draft.config.vocab_size} tokens) must be the target's "
@@ -91,7 +113,7 @@ def speculative_generate(
     check_int("k", k, at_least=1)
     check_bool("greedy", greedy)
     check_sampling(temperature, top_k, top_p)
-    check_optional_int("eos_id", eos_id, at_least=0)
+    check_stop_ids(target, eos_id=eos_id)
     total = prompt.size(1) + max_new_tokens
     if total > draft.config.max_len:
         raise ValueError(f"{total} positions exceed the draft's max_len={draft.config.max_len}")
