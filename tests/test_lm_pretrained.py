@@ -24,15 +24,13 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
 from helpers import lm_config, raises, randomized
-from transformer_tutorial.lm import pretrained
+from transformer_tutorial.lm import checkpoint_files, pretrained
+from transformer_tutorial.lm.checkpoint_files import CONFIG, INDEX, WEIGHTS
 from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
 from transformer_tutorial.lm.deepseek_weights import DEEPSEEK
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.pretrained import (
-    CONFIG,
     FAMILIES,
-    INDEX,
-    WEIGHTS,
     load_pretrained,
     model_type,
     read_config,
@@ -744,7 +742,9 @@ def test_bad_folders_get_one_error_naming_the_problem(name, tmp_path, monkeypatc
     folder = their_folder(tmp_path / "folder", kind, tie=tie, sharded=sharded)
     change(folder)
     if name not in FOUND_IN_VALUES:
-        monkeypatch.setattr(pretrained, "_read", lambda *_: pytest.fail("a tensor was read"))
+        monkeypatch.setattr(
+            pretrained, "read_tensors", lambda *_: pytest.fail("a tensor was read")
+        )
     raises(lambda: load_pretrained(folder), error, phrase)
 
 
@@ -820,8 +820,8 @@ def test_a_shard_outside_the_folder_is_refused_unopened(how, tmp_path, monkeypat
     first = shard(folder, 1).name
     outside(how)(folder)
     opened = []
-    real_header = pretrained._header
-    monkeypatch.setattr(pretrained, "_header", lambda p: opened.append(p) or real_header(p))
+    real_header = checkpoint_files._header
+    monkeypatch.setattr(checkpoint_files, "_header", lambda p: opened.append(p) or real_header(p))
     error = raises(lambda: load_pretrained(folder), ValueError, "leads outside the checkpoint")
     assert str(folder / INDEX) in str(error) and f"folder {folder};" in str(error)
     assert opened == []

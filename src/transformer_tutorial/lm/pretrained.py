@@ -17,10 +17,8 @@ once, not a random model beside them.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,8 +27,6 @@ from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import (
     DeepseekV3Config,
@@ -47,6 +43,20 @@ from transformers import (
 
 from transformer_tutorial.checks import check_optional_int
 from transformer_tutorial.lm import deepseek_weights, gpt2_weights, hf_weights, moe_weights
+from transformer_tutorial.lm.checkpoint_files import (
+    CONFIG,
+    DTYPES,
+    INDEX,
+    Part,
+    Placed,
+    Stored,
+    inside,
+    json_object,
+    read_tensors,
+    some,
+    stored_tensors,
+    write_tensors,
+)
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.deepseek_weights import (
     copy_to_deepseek_v3,
@@ -68,9 +78,6 @@ from transformer_tutorial.lm.moe_weights import (
     qwen3_moe_config,
 )
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 HEAD = "lm_head.weight"  # the output layer, left out of a tied checkpoint
 
 
@@ -100,10 +107,6 @@ def _moe_weights(
             yield from zip(mine, halves, strict=True)
 
     return weights_from
-
-
-# Where part of one of their tensors is stored: the stored name, and the index of the part.
-Part = tuple[str, tuple]
 
 
 def _experts_apart(name: str, shape: tuple[int, ...]) -> list[Part] | None:
@@ -262,7 +265,7 @@ def load_pretrained(
     config = _to_ours(family, their_config, folder, max_len)
     with torch.device("meta"):
         skeleton = family.model_class(their_config)
-    stored = _stored(folder)
+    stored = stored_tensors(folder)
     placed = _match(stored, skeleton, family, tied=config.tie_embeddings, folder=folder)
     kinds = {stored[s].dtype for where in placed.values() for s, _ in where.parts}
     if not kinds <= DTYPES.keys():
@@ -273,7 +276,7 @@ def load_pretrained(
     stored_dtypes = sorted(str(DTYPES[k]) for k in kinds)
     if dtype is None and len(stored_dtypes) > 1:
         raise ValueError(f"{folder}: tensors are stored as {stored_dtypes}: pass a dtype")
-    state = _read(stored, placed, dtype)
+    state = read_tensors(stored, placed, dtype)
     if config.tie_embeddings:
         state[HEAD] = state[_check_tie(state, skeleton, folder)]  # one tensor, both names
     skeleton.load_state_dict(state, strict=True, assign=True)  # their model holds the tensors
@@ -294,42 +297,11 @@ def load_pretrained(
     return ours.eval()
 
 
-def _inside(folder: Path, name: str, named_in: Path | None = None) -> Path:
-    """``folder / name``, refused unless it stays in the folder: ``name`` relative, without
-    ``..``, and the file it reaches (symlinks followed) in the folder or, in
-    ``huggingface_hub``'s cache, whose ``snapshots/<revision>`` folders link each file to the
-    model's ``blobs``, there. Checked before the file is opened or its existence tested."""
-    path = folder / name
-    where = f"{named_in}: " if named_in else ""
-    real = folder.resolve()
-    roots = [real]
-    if real.parent.name == "snapshots":
-        roots.append(real.parent.parent / "blobs")
-    escapes = Path(name).is_absolute() or ".." in Path(name).parts
-    if escapes or not any(path.resolve().is_relative_to(r) for r in roots):
-        raise ValueError(
-            f"{where}{name!r} leads outside the checkpoint folder {folder}; refused (a "
-            "checkpoint's files are read from its folder only)"
-        )
-    return path
-
-
-def _json_object(path: Path) -> dict:
-    """The object a JSON file holds; an error names the file."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from error
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: holds a JSON {type(raw).__name__}, not an object {{...}}")
-    return raw
-
-
 def _read_config(folder: Path) -> tuple[Family, Any]:
-    path = _inside(folder, CONFIG)
+    path = inside(folder, CONFIG)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; a checkpoint folder holds {CONFIG}")
-    raw = _json_object(path)
+    raw = json_object(path)
     kind = raw.get("model_type")
     if kind not in FAMILIES:
         raise ValueError(f"{path}: model_type={kind!r}; ours reads {sorted(FAMILIES)}")
@@ -359,65 +331,6 @@ def _to_ours(family: Family, theirs: Any, folder: Path, max_len: int | None) -> 
     return replace(config, max_len=max_len)
 
 
-@dataclass(frozen=True)
-class Stored:
-    """Where a stored tensor is, and its shape and dtype (safetensors' name: ``"BF16"``) as the
-    file's header gives them."""
-
-    file: Path
-    shape: list[int]
-    dtype: str
-
-
-def _stored(folder: Path) -> dict[str, Stored]:
-    """Every stored tensor by name, from ``model.safetensors`` or the shard index; each file
-    checked to be in the folder, to exist and to hold the names the index gives it. Only
-    headers are read."""
-    single = _inside(folder, WEIGHTS)
-    if single.is_file():
-        return _header(single)
-    index = _inside(folder, INDEX)
-    if not index.is_file():
-        raise FileNotFoundError(
-            f"{folder}: no weights; expected {WEIGHTS}, or {INDEX} and its shards "
-            "(only safetensors files are read)"
-        )
-    weight_map = _json_object(index).get("weight_map")
-    if (
-        not isinstance(weight_map, dict)
-        or not weight_map
-        or not all(isinstance(s, str) for s in weight_map.values())
-    ):
-        raise ValueError(f"{index}: no weight_map naming each tensor's shard file")
-    shards = {s: _inside(folder, s, index) for s in sorted(set(weight_map.values()))}
-    absent = [s for s, path in shards.items() if not path.is_file()]
-    if absent:
-        raise FileNotFoundError(f"{folder}: missing {_some(absent)}, named in {INDEX}")
-    held = {s: _header(path) for s, path in shards.items()}
-    lost = [f"{k} ({s})" for k, s in weight_map.items() if k not in held[s]]
-    if lost:
-        raise ValueError(f"{folder}: {INDEX} puts tensors in shards that lack them: {_some(lost)}")
-    return {k: held[s][k] for k, s in weight_map.items()}
-
-
-def _header(path: Path) -> dict[str, Stored]:
-    try:
-        with safe_open(path, framework="pt") as f:
-            slices = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118
-            return {k: Stored(path, v.get_shape(), v.get_dtype()) for k, v in slices.items()}
-    except SafetensorError as error:
-        raise ValueError(f"{path}: not a safetensors file ({error})") from error
-
-
-@dataclass(frozen=True)
-class Placed:
-    """One tensor of theirs: its shape, and where it is stored, whole (one part, index ``()``)
-    or in parts."""
-
-    shape: tuple[int, ...]
-    parts: list[Part]
-
-
 def _match(
     stored: dict[str, Stored], skeleton: nn.Module, family: Family, *, tied: bool, folder: Path
 ) -> dict[str, Placed]:
@@ -444,7 +357,7 @@ def _match(
     if missing or unexpected:
         found = [("missing", missing), ("unexpected", unexpected)]
         raise ValueError(
-            f"{folder}: tensors " + "; ".join(f"{what} {_some(ks)}" for what, ks in found if ks)
+            f"{folder}: tensors " + "; ".join(f"{what} {some(ks)}" for what, ks in found if ks)
         )
     wrong = [
         f"{names[n]} {stored[names[n]].shape}, expected {part}"
@@ -453,7 +366,7 @@ def _match(
         if stored[names[n]].shape != (part := _shape(expected[k], index))
     ]
     if wrong:
-        raise ValueError(f"{folder}: shapes differ from {CONFIG}'s: {_some(wrong)}")
+        raise ValueError(f"{folder}: shapes differ from {CONFIG}'s: {some(wrong)}")
     return {
         k: Placed(expected[k], [(names[n], index) for n, index in parts])
         for k, parts in wanted.items()
@@ -463,49 +376,6 @@ def _match(
 def _shape(shape: tuple[int, ...], index: tuple) -> list[int]:
     """The shape of ``tensor[index]`` for a tensor of ``shape``."""
     return list(torch.empty(shape, device="meta")[index].shape)
-
-
-# The dtypes a weight is read in, by safetensors' names.
-DTYPES = MappingProxyType(
-    {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-)
-
-
-def _read(
-    stored: dict[str, Stored], placed: dict[str, Placed], dtype: torch.dtype | None
-) -> dict[str, Tensor]:
-    """The tensors, their model's names as keys, in ``dtype`` (None: as stored), each in memory
-    of its own: every part read from its file (each opened once) straight into its place, by
-    plain reads at the header's offsets, or into a buffer of its own and converted. A memory
-    map (safetensors' ``get_tensor``) would tie the model to the file, and copying out of one
-    would hold each weight twice."""
-    state, reads = {}, {}
-    for k, where in placed.items():
-        kind = DTYPES[stored[where.parts[0][0]].dtype]
-        state[k] = torch.empty(where.shape, dtype=dtype or kind)
-        for s, index in where.parts:
-            reads.setdefault(stored[s].file, []).append((s, state[k][index]))
-    for path, parts in reads.items():
-        with path.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))  # the header's length, little-endian
-            header = json.loads(f.read(n))
-            for s, out in parts:
-                _read_into(out, f, 8 + n, header[s], path)
-    return state
-
-
-def _read_into(out: Tensor, f: Any, start: int, entry: dict, path: Path) -> None:
-    """One tensor of a header ``entry`` (dtype, shape, offsets from ``start``) into ``out``, a
-    contiguous tensor or view of its shape."""
-    kind = DTYPES[entry["dtype"]]
-    buffer = out if out.dtype == kind else torch.empty(entry["shape"], dtype=kind)
-    f.seek(start + entry["data_offsets"][0])
-    # Its bytes, as stored: little-endian, as x86 and ARM hold numbers. safe_open has checked
-    # the header's offsets against the shapes and the file's length (_header).
-    if f.readinto(buffer.view(-1).view(torch.uint8).numpy()) != buffer.nbytes:
-        raise ValueError(f"{path}: shorter than its header says")
-    if buffer is not out:
-        out.copy_(buffer)
 
 
 def _check_tie(state: dict[str, Tensor], skeleton: nn.Module, folder: Path) -> str:
@@ -521,12 +391,6 @@ def _check_tie(state: dict[str, Tensor], skeleton: nn.Module, folder: Path) -> s
             "keeps the two apart)"
         )
     return embed
-
-
-def _some(names: list[str], shown: int = 5) -> str:
-    """A few names of a list, and how many more."""
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
 
 
 def model_type(config: LMConfig) -> str:
@@ -569,7 +433,7 @@ def save_pretrained(
     taken = [p.name for p in (folder / CONFIG, folder / INDEX) if p.exists()]
     taken += [p.name for p in sorted(folder.glob("model*.safetensors"))]
     if taken:
-        raise FileExistsError(f"{folder} holds a checkpoint already ({_some(taken)})")
+        raise FileExistsError(f"{folder} holds a checkpoint already ({some(taken)})")
     dtype = model.embed.weight.dtype
     with torch.device("meta"):
         theirs = family.model_class(their_config).to(dtype)
@@ -583,33 +447,7 @@ def save_pretrained(
         for name, index in apart or [(k, ())]:
             tensors[name] = t[index].clone() if apart else t  # a file's tensors share no memory
     folder.mkdir(parents=True, exist_ok=True)
-    _write_weights(tensors, folder, max_shard_size)
+    write_tensors(tensors, folder, max_shard_size)
     their_config.architectures = [family.model_class.__name__]
     their_config.dtype = dtype
     their_config.to_json_file(folder / CONFIG)
-
-
-def _write_weights(tensors: dict[str, Tensor], folder: Path, max_bytes: int | None) -> None:
-    """One file, or shards filled in order up to ``max_bytes`` each (a larger tensor alone)."""
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        if shards[-1] and max_bytes is not None and size + tensor.nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += tensor.nbytes
-    metadata = {"format": "pt"}  # the framework transformers expects
-    if len(shards) == 1:
-        save_file(tensors, folder / WEIGHTS, metadata=metadata)
-        return
-    files = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    for file, shard in zip(files, shards, strict=True):
-        save_file(shard, folder / file, metadata=metadata)
-    index = {
-        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-        "weight_map": {
-            name: file for file, shard in zip(files, shards, strict=True) for name in shard
-        },
-    }
-    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
