@@ -23,6 +23,7 @@ from transformer_tutorial.tuning.sft import (
     pack_examples,
     packed_logits,
     pad_examples,
+    scored_positions,
     sft_labels,
     sft_loss,
 )
@@ -142,6 +143,22 @@ def test_packed_equals_unpacked_in_float64(examples, tokenizer, row_len, changes
     packed_grads = torch.autograd.grad(packed_loss, list(model.parameters()))
     for g, packed_g in zip(grads, packed_grads, strict=True):
         torch.testing.assert_close(packed_g, g, rtol=0, atol=1e-12)
+
+
+def test_logits_at_the_scored_positions_give_the_same_loss(examples, tokenizer):
+    model = make_model(tokenizer.get_vocab_size())
+    packed = pack_examples(examples, 80)
+    logits = packed_logits(model, packed.ids, packed.position_ids)
+    positions, targets = scored_positions(packed.labels)
+    assert len(targets) == int((packed.labels[:, 1:] != IGNORE_INDEX).sum())
+    at = packed_logits(model, packed.ids, packed.position_ids, logits_at=positions)
+    torch.testing.assert_close(at, logits.flatten(0, 1)[positions], rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        torch.nn.functional.cross_entropy(at, targets),
+        sft_loss(logits, packed.labels),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 def test_a_row_filled_exactly(examples, tokenizer):

@@ -166,11 +166,17 @@ class _DocumentAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def packed_logits(model: LanguageModel, ids: Tensor, position_ids: Tensor) -> Tensor:
+def packed_logits(
+    model: LanguageModel, ids: Tensor, position_ids: Tensor, *, logits_at: Tensor | None = None
+) -> Tensor:
     """The logits ``(B, T, V)`` of packed rows ``ids`` ``(B, T)``: the model's own layers, with
     rotary positions from ``position_ids`` and each token attending only to the tokens of its
     own conversation (:func:`document_mask`), so that a conversation's logits equal its logits
-    alone. Needs rotary positions and attention through ``F.scaled_dot_product_attention``."""
+    alone. Needs rotary positions and attention through ``F.scaled_dot_product_attention``.
+
+    ``logits_at``: flat positions ``(N,)`` into ``B · T``; the output layer then runs there only
+    and the result is ``(N, V)`` (training needs the logits where a target is scored, and the
+    output layer is a large share of a small model's work)."""
     check_type("model", model, LanguageModel, "a LanguageModel")
     check_tensor("ids", ids, kind="int", dims=2, shape="(B, T)")
     check_tensor("position_ids", position_ids, kind="int", dims=2, shape="(B, T)")
@@ -196,6 +202,9 @@ def packed_logits(model: LanguageModel, ids: Tensor, position_ids: Tensor) -> Te
             f"{mode.calls} of the model's {len(model.layers)} attentions called "
             f"F.scaled_dot_product_attention: packed_logits needs the 'sdpa' backend"
         )
+    if logits_at is not None:
+        check_tensor("logits_at", logits_at, kind="int", dims=1, shape="(N,)")
+        x = x.flatten(0, 1)[logits_at]  # (N, D)
     if model.norm is not None:
         x = model.norm(x)
     return model.lm_head(x)
@@ -222,3 +231,14 @@ def sft_loss(logits: Tensor, labels: Tensor) -> Tensor:
     predictions = predictions.to(torch.promote_types(predictions.dtype, torch.float32))
     total = F.cross_entropy(predictions, targets, ignore_index=IGNORE_INDEX, reduction="sum")
     return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def scored_positions(labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Where :func:`sft_loss` scores a target: the flat positions ``(N,)`` into ``B · T`` whose
+    logits predict a label that is not :data:`IGNORE_INDEX`, and those labels ``(N,)``. Then
+    ``F.cross_entropy(packed_logits(..., logits_at=positions), targets)`` is :func:`sft_loss`
+    with the output layer run at ``N`` positions instead of ``B · T``."""
+    check_tensor("labels", labels, kind="int", dims=2, shape="(B, T)")
+    following = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten()  # (B·T,): t + 1
+    positions = (following != IGNORE_INDEX).nonzero().squeeze(1)
+    return positions, following[positions]
