@@ -83,6 +83,13 @@ def completion_logprobs(
     return F.log_softmax(logits, dim=-1).gather(-1, completion_ids[..., None]).squeeze(-1)
 
 
+def completion_mask(completion_ids: Tensor, eos_id: int) -> Tensor:
+    """True at each completion's real tokens ``(B, T)``: up to and including its first
+    ``eos_id`` (all of it when it has none)."""
+    is_eos = (completion_ids == eos_id).long()
+    return (is_eos.cumsum(1) - is_eos) == 0  # no <eos> before this token
+
+
 @torch.no_grad()
 def sample_group(
     model: LanguageModel,
@@ -110,9 +117,7 @@ def sample_group(
         generator=generator,
     )
     completion = ids[:, prompts.size(1) :]  # (B, T)
-    # A token is real up to and including the first <eos>: count the <eos> seen before it.
-    ended_before = (completion == eos_id).long().cumsum(1) - (completion == eos_id).long()
-    mask = ended_before == 0
+    mask = completion_mask(completion, eos_id)
     logprobs = completion_logprobs(model, prompts, completion, temperature=temperature)
     return GroupSample(prompts, completion, mask, logprobs.masked_fill(~mask, 0.0))
 
