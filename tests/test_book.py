@@ -60,6 +60,7 @@ def test_chapter_opens_with_badge_and_setup_cell(path: Path):
 NEEDS = {
     re.compile(r"^\s*(from|import) transformers\b", re.M): '"transformers>=5,<6"',
     re.compile(r"^\s*(from|import) peft\b", re.M): '"peft>=0.21,<1"',
+    re.compile(r"^\s*(from|import) trl\b", re.M): '"trl>=1.16,<2"',
     re.compile(r"\bsharding\b|fully_shard"): '"torch>=2.6"',
 }
 
@@ -70,9 +71,10 @@ def test_setup_cell_requires_what_the_chapter_imports(path: Path):
     setup = _source(nb.cells[1])
     code = "\n".join(_source(c) for c in nb.cells[2:] if c.cell_type == "code")
     needed = {spec for pattern, spec in NEEDS.items() if pattern.search(code)}
-    if '"transformers>=5,<6"' in needed or '"peft>=0.21,<1"' in needed:
+    if needed & {'"transformers>=5,<6"', '"peft>=0.21,<1"', '"trl>=1.16,<2"'}:
         needed.add('"torch>=2.6"')  # transformers 5 runs on torch >= 2.6 only
-        assert '"transformer-tutorial[hf] @ "' in setup, "install the package's [hf] extra"
+        extra = "trl" if '"trl>=1.16,<2"' in needed else "hf"  # [trl] includes [hf]
+        assert f'"transformer-tutorial[{extra}] @ "' in setup, f"install the [{extra}] extra"
     missing = [spec for spec in sorted(needed) if spec not in setup]
     assert not missing, f"the setup cell must call require(...) with {missing}"
 
