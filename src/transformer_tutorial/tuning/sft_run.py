@@ -255,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     budget = translator_flops(args.baseline, baseline["steps"], seed=baseline["seed"])
     record = start_record("transformer_tutorial.tuning.sft_run")
     tokenizer, _, examples, (test_de, test_en) = prepare_data(CONFIGS[BASELINE].vocab_size)
-    rows = pack_examples(examples, ROW_LEN)
+    kept = [e for e in examples if len(e.ids) <= ROW_LEN]  # as the baseline keeps its max_len
+    rows = pack_examples(kept, ROW_LEN)
     torch.manual_seed(args.seed)
     model = LanguageModel(sft_config(tokenizer.get_vocab_size()))
     result = train_to_budget(
@@ -268,9 +269,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "seed": args.seed,
         "config": dict(SIZES, row_len=ROW_LEN, rows=ROWS, vocab_size=tokenizer.get_vocab_size()),
         "parameters": model.num_parameters(),
-        "train_examples": len(examples),
+        "train_examples": len(kept),
+        "longer_than_a_row": len(examples) - len(kept),
         "packed_rows": rows.ids.size(0),
-        "padding_share": float((rows.position_ids == 0).sum() - len(examples)) / rows.ids.numel(),
+        "padding_share": float((rows.position_ids == 0).sum() - len(kept)) / rows.ids.numel(),
         **result,
         "test2016": {"sentences": len(hyps), "greedy": score.score, "signature": score.signature},
         "eval_seconds": time.perf_counter() - start,
