@@ -35,6 +35,28 @@ def raises(call: Callable[[], object], error: type[Exception], phrase: str) -> B
     return info.value
 
 
+def refused_unchanged(
+    call: Callable[[], object], error: type[Exception], phrase: str, *models: torch.nn.Module
+) -> None:
+    """:func:`raises`, and every weight and buffer of ``models`` as it was before the call."""
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
+    raises(call, error, phrase)
+    for model, saved in zip(models, before, strict=True):
+        after = model.state_dict()
+        assert after.keys() == saved.keys()
+        assert all(torch.equal(after[k], v) for k, v in saved.items()), "a refused call changed"
+
+
+def bad_command_line(capsys, main: Callable[[list[str]], object], argv: list[str], line: str):
+    """``main(argv)`` stops with exit status 2 and one line on standard error that starts with
+    ``line``, nothing on standard output: a bad flag never ends in a traceback."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and not out, (stop.value.code, out)
+    assert err.startswith(line) and err.count("\n") == 1, err
+
+
 def no_causal_mask(q_len, k_len=None, *, device=None):
     """A stand-in for ``causal_mask`` that blocks nothing."""
     return torch.zeros(q_len, k_len or q_len, dtype=torch.bool, device=device)

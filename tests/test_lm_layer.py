@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import to_device
+from helpers import raises, to_device
 from transformer_tutorial.copy_weights import copy_encoder_layer
 from transformer_tutorial.lm.cache import GroupedKVCache
 from transformer_tutorial.lm.config import LLAMA, LMConfig
@@ -77,3 +77,63 @@ def test_layer_continues_from_the_cache_it_changes_in_place(seed, attention, kin
         rest = layer(x[:, 5:], cache)
     torch.testing.assert_close(torch.cat([first, rest], 1), whole, atol=ATOL, rtol=ATOL)
     assert cache.seen == T and cache.preallocated == (kind == "preallocated")
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+XL = torch.randn(1, 3, D)
+MOE = dict(LLAMA) | dict(n_experts=4, n_experts_per_token=2)
+LAYER_PROBES = {
+    "config a dict": (
+        lambda: DecoderOnlyLayer({"d_model": D}),
+        TypeError,
+        "config must be an LMConfig, got dict",
+    ),
+    "layer a float": (
+        lambda: DecoderOnlyLayer(tiny(**MOE), 0.0),
+        TypeError,
+        "layer must be an int, got 0.0",
+    ),
+    "layer past the last": (
+        lambda: DecoderOnlyLayer(tiny(**MOE), 3),
+        ValueError,
+        "layer must be 0 to 0 (n_layers), got 3",
+    ),
+    "x a list": (
+        lambda: DecoderOnlyLayer(tiny())([[0.0] * D]),
+        TypeError,
+        "x must be a Tensor (B, T_new, D), got list",
+    ),
+    "x of another width": (
+        lambda: DecoderOnlyLayer(tiny())(torch.randn(1, 3, D - 1)),
+        ValueError,
+        f"x must be (B, T_new, D={D}), got (1, 3, {D - 1})",
+    ),
+    "integer x": (
+        lambda: DecoderOnlyLayer(tiny())(XL.long()),
+        TypeError,
+        "x must be a floating-point tensor, got torch.int64",
+    ),
+    "padding mask one position too long": (
+        lambda: DecoderOnlyLayer(tiny())(XL, padding_mask=torch.zeros(1, 4, dtype=torch.bool)),
+        ValueError,
+        "padding_mask must be (B, S_past + T_new) = (1, 0 + 3), True at padding, got (1, 4)",
+    ),
+    "padding mask a list": (
+        lambda: DecoderOnlyLayer(tiny())(XL, padding_mask=[[False] * 3]),
+        TypeError,
+        "padding_mask must be a Tensor (B, S), got list",
+    ),
+    "router logits a tuple": (
+        lambda: DecoderOnlyLayer(tiny(**MOE))(XL, router_logits=()),
+        TypeError,
+        "router_logits must be a list (the layer appends to it) or None, got tuple",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), LAYER_PROBES.values(), ids=LAYER_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import raises
 from transformer_tutorial.attention import MultiHeadAttention
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
 from transformer_tutorial.feed_forward import SwiGLU
@@ -89,3 +90,73 @@ def test_llama_and_qwen3_choices_are_fixed_and_valid():
     assert set(QWEN3.items()) - set(LLAMA.items()) == {("qk_norm", True)}
     assert not llama.bias and not llama.tie_embeddings and qwen3.qk_norm
     assert isinstance(make_attention(qwen3).q_norm, RMSNorm)
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+X3 = torch.randn(1, 3, 16)
+MOE = dict(LLAMA) | dict(n_experts=4, n_experts_per_token=2, n_layers=2)
+PIECES_PROBES = {
+    "make_norm: a dict": (
+        lambda: make_norm({"d_model": 16}),
+        TypeError,
+        "config must be an LMConfig, got dict",
+    ),
+    "make_feed_forward: a dict": (
+        lambda: make_feed_forward({"d_model": 16}),
+        TypeError,
+        "config must be an LMConfig, got dict",
+    ),
+    "make_feed_forward: layer a float": (
+        lambda: make_feed_forward(config(**MOE), 1.0),
+        TypeError,
+        "layer must be an int, got 1.0",
+    ),
+    "make_feed_forward: layer past the last": (
+        lambda: make_feed_forward(config(**MOE), 7),
+        ValueError,
+        "layer must be 0 to 1 (n_layers), got 7",
+    ),
+    "make_feed_forward: layer -1": (
+        lambda: make_feed_forward(config(**MOE), -1),
+        ValueError,
+        "layer must be at least 0, got -1",
+    ),
+    "learned: start a float": (
+        lambda: LearnedPositionalEmbedding(8, 16)(X3, 1.0),
+        TypeError,
+        "start must be an int, got 1.0",
+    ),
+    "learned: start -1": (
+        lambda: LearnedPositionalEmbedding(8, 16)(X3, -1),
+        ValueError,
+        "start must be at least 0, got -1",
+    ),
+    "learned: x of another width": (
+        lambda: LearnedPositionalEmbedding(8, 16)(torch.randn(1, 3, 15)),
+        ValueError,
+        "x must be (B, T, D=16), got (1, 3, 15)",
+    ),
+    "learned: x without a batch": (
+        lambda: LearnedPositionalEmbedding(8, 16)(torch.randn(3, 16)),
+        ValueError,
+        "x must be (B, T, D), got shape (3, 16)",
+    ),
+    "rope: start -1": (
+        lambda: PositionsInAttention()(X3, -1),
+        ValueError,
+        "start must be at least 0, got -1",
+    ),
+    "rope: start a float": (
+        lambda: PositionsInAttention()(X3, 1.5),
+        TypeError,
+        "start must be an int, got 1.5",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), PIECES_PROBES.values(), ids=PIECES_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)

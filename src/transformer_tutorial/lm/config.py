@@ -36,6 +36,17 @@ ATTENTION_BACKENDS = ("sdpa", "tiled")
 # its correction bias, groups, scaling and shared experts.
 ROUTERS = ("softmax", "sigmoid")
 
+# The switches: True or False only, whether or not their piece is in use (a 0 or 1 would pass
+# the comparisons with the defaults below).
+BOOL_FIELDS = (
+    "norm_first",
+    "bias",
+    "tie_embeddings",
+    "scale_embeddings",
+    "qk_norm",
+    "norm_topk_prob",
+    "rope_interleave",
+)
 # The fields only chapter 16's attention has.
 GQA_FIELDS = {"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None}
 # The fields only DeepSeek-V3's mixture of experts has (router="sigmoid").
@@ -175,7 +186,7 @@ class LMConfig:
                 f"set attention='gqa', dropout=0 and window=None (got {self.attention!r}, "
                 f"{self.dropout}, {self.window})"
             )
-        for name in ("norm_first", "bias", "tie_embeddings", "scale_embeddings", "qk_norm"):
+        for name in BOOL_FIELDS:
             check_bool(name, getattr(self, name))
         self._check_heads()
         self._check_latent()
@@ -193,7 +204,6 @@ class LMConfig:
             return
         check_experts(self.n_experts, self.n_experts_per_token, top_k_name="n_experts_per_token")
         check_optional_int("moe_d_ff", self.moe_d_ff, at_least=1)
-        check_bool("norm_topk_prob", self.norm_topk_prob)
         check_int("sparse_step", self.sparse_step, at_least=1)
         check_number("router_aux_loss_coef", self.router_aux_loss_coef, low=0.0)
         check_choice("router", self.router, ROUTERS)
@@ -220,7 +230,7 @@ class LMConfig:
                 "routed_scaling_factor", self.routed_scaling_factor, low=0.0, low_open=True
             )
         if not isinstance(self.dense_layers, tuple) or not all(
-            isinstance(i, int) and 0 <= i < self.n_layers for i in self.dense_layers
+            type(i) is int and 0 <= i < self.n_layers for i in self.dense_layers
         ):
             raise ValueError(
                 f"dense_layers must be a tuple of layer indices 0 to {self.n_layers - 1}, "
@@ -255,7 +265,6 @@ class LMConfig:
         ]
         if chosen:
             raise ValueError(f"{', '.join(chosen)}: chapter 16's attention only, not 'mla'")
-        check_bool("rope_interleave", self.rope_interleave)
         missing = [k for k in list(MLA_FIELDS)[1:5] if getattr(self, k) is None]
         if missing:
             raise ValueError(f"attention='mla' needs {', '.join(missing)}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from transformer_tutorial.checks import check_int, check_tensor, check_type
 from transformer_tutorial.lm.cache import LayerCache
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.moe import MixtureOfExperts
@@ -42,6 +43,11 @@ class DecoderOnlyLayer(nn.Module):
         self, config: LMConfig, layer: int = 0, rotary: RotaryPositions | None = None
     ) -> None:
         super().__init__()
+        check_type("config", config, LMConfig, "an LMConfig")
+        check_int("layer", layer, at_least=0)
+        if layer >= config.n_layers:
+            raise ValueError(f"layer must be 0 to {config.n_layers - 1} (n_layers), got {layer}")
+        self.d_model = config.d_model
         self.norm_first = config.norm_first
         self.self_attn = make_attention(config, rotary)
         self.ff = make_feed_forward(config, layer)  # layer: which are sparse (chapter 20)
@@ -61,6 +67,7 @@ class DecoderOnlyLayer(nn.Module):
     ) -> Tensor:
         """``router_logits``: a list to which a mixture-of-experts layer (chapter 20) appends
         its router's logits ``(B · T_new, E)``; a dense layer adds nothing."""
+        self._check(x, cache, padding_mask, router_logits)
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), cache, position_ids, padding_mask)
             x = x + self._ff_block(self.norm2(x), router_logits)
@@ -68,6 +75,31 @@ class DecoderOnlyLayer(nn.Module):
             x = self.norm1(x + self._sa_block(x, cache, position_ids, padding_mask))
             x = self.norm2(x + self._ff_block(x, router_logits))
         return x
+
+    def _check(
+        self,
+        x: Tensor,
+        cache: LayerCache | None,
+        padding_mask: Tensor | None,
+        router_logits: list[Tensor] | None,
+    ) -> None:
+        """Types and shapes only: nothing read back from the device."""
+        check_tensor("x", x, kind="float", dims=3, shape="(B, T_new, D)")
+        if x.size(-1) != self.d_model:
+            raise ValueError(f"x must be (B, T_new, D={self.d_model}), got {tuple(x.shape)}")
+        if padding_mask is not None:
+            check_tensor("padding_mask", padding_mask, kind="bool", dims=2, shape="(B, S)")
+            past = 0 if cache is None else cache.seen
+            if padding_mask.shape != (x.size(0), past + x.size(1)):
+                raise ValueError(
+                    f"padding_mask must be (B, S_past + T_new) = ({x.size(0)}, {past} + "
+                    f"{x.size(1)}), True at padding, got {tuple(padding_mask.shape)}"
+                )
+        if router_logits is not None and not isinstance(router_logits, list):
+            raise TypeError(
+                "router_logits must be a list (the layer appends to it) or None, got "
+                f"{type(router_logits).__name__}"
+            )
 
     def _sa_block(
         self,

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from transformer_tutorial.attention import KVCache, MultiHeadAttention
+from transformer_tutorial.checks import check_int, check_tensor, check_type
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
 from transformer_tutorial.feed_forward import SwiGLU, build_feed_forward
 from transformer_tutorial.layers import FeedForward
@@ -33,6 +34,7 @@ from transformer_tutorial.norms import build_norm
 def make_norm(config: LMConfig) -> nn.Module:
     """The norm of each sub-layer (and the final one in pre-norm): ``"layer"``, LayerNorm (the
     paper, GPT-2), or ``"rms"``, RMSNorm (Llama, chapter 14); ``layer_norm_eps`` either way."""
+    check_type("config", config, LMConfig, "an LMConfig")
     return build_norm(config.norm, config.d_model, config.layer_norm_eps)
 
 
@@ -42,6 +44,10 @@ def make_feed_forward(config: LMConfig, layer: int = 0) -> FeedForward | SwiGLU 
     layer (Llama's ``mlp``); ``d_ff`` is the hidden width, ``bias`` the config's. Chapter 20:
     where ``config.is_sparse(layer)``, a mixture of ``n_experts`` SwiGLU layers of ``moe_d_ff``
     (Qwen3-MoE's sparse block; with ``router="sigmoid"`` DeepSeek-V3's)."""
+    check_type("config", config, LMConfig, "an LMConfig")
+    check_int("layer", layer, at_least=0)
+    if layer >= config.n_layers:
+        raise ValueError(f"layer must be 0 to {config.n_layers - 1} (n_layers), got {layer}")
     if config.is_sparse(layer) and config.router == "sigmoid":
         return DeepSeekMoE(
             config.d_model,
@@ -230,6 +236,7 @@ class LearnedPositionalEmbedding(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        check_positions_input(x, start, self.weight.size(1))
         length = x.size(1)
         if start + length > self.max_len:
             raise ValueError(
@@ -252,4 +259,13 @@ class PositionsInAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
+        check_positions_input(x, start)
         return self.dropout(x)
+
+
+def check_positions_input(x: object, start: object, d_model: int | None = None) -> None:
+    """``x`` a float ``(B, T, D)`` (``D = d_model`` if given) and ``start`` an int ``>= 0``."""
+    check_tensor("x", x, kind="float", dims=3, shape="(B, T, D)")
+    if d_model is not None and x.size(-1) != d_model:
+        raise ValueError(f"x must be (B, T, D={d_model}), got {tuple(x.shape)}")
+    check_int("start", start, at_least=0)
