@@ -70,6 +70,39 @@ def test_int8_kernel_equals_the_dequantized_matmul(dtype):
         torch.testing.assert_close(x.grad, quantized.weight.sum(0).expand_as(x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("out_features", [96, 50])  # 50: padded to 64 rows for the kernel
+def test_int4_kernel_equals_the_dequantized_matmul(group_size, out_features):
+    """bf16 activations take PyTorch's packed int4 kernel (rows padded to a multiple of 16):
+    as close to the float64 product of the same integers and scales as bf16's F.linear; float32
+    activations and training through the layer take the dequantizing path."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("this PyTorch has no CPU int4 kernel")
+    torch.manual_seed(group_size + out_features)
+    linear = nn.Linear(256, out_features).to(torch.bfloat16)
+    quantized = QuantizedLinear(linear, bits=4, group_size=group_size)
+    assert quantized.int4_packed is not None
+    assert "int4_packed" not in quantized.state_dict()  # rebuilt from the integers, not saved
+    x = torch.randn(3, 7, 256).to(torch.bfloat16)
+    assert quantized._uses_int4_kernel(x) and not quantized._uses_int4_kernel(x.float())
+    exact = F.linear(x.double(), quantized.weight.double(), linear.bias.double())
+    y = quantized(x)
+    plain = F.linear(x, quantized.weight.to(torch.bfloat16), linear.bias)
+    assert y.shape == (3, 7, out_features) and y.dtype == torch.bfloat16
+    errors = [((t.double() - exact).norm() / exact.norm()).item() for t in (y, plain)]
+    assert errors[0] <= 3 * errors[1], errors  # the bf16 scales' rounding, as int8's kernel
+    torch.testing.assert_close(quantized(x.float()), exact.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_int4_groups_the_kernel_does_not_take_dequantize():
+    quantized = QuantizedLinear(nn.Linear(64, 32), bits=4, group_size=16)
+    assert quantized.int4_packed is None
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    assert not quantized._uses_int4_kernel(x)
+    want = F.linear(x, quantized.weight.to(torch.bfloat16), quantized.bias.to(torch.bfloat16))
+    torch.testing.assert_close(quantized(x), want)
+
+
 def test_quantize_linears_swaps_every_linear_but_the_kept_and_leaves_the_model():
     torch.manual_seed(0)
     cfg = LMConfig(

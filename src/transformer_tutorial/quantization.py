@@ -5,8 +5,9 @@ row; a group keeps one float scale and integers ``q = round(w / scale)``, symmet
 ``scale = max |w| / qmax`` with ``qmax`` 127 (int8) or 7 (int4), so ``q`` lies in ``[-127, 127]``
 or ``[-7, 7]`` (inside int4's ``[-8, 7]``). int8 keeps one group per row (per output channel,
 ``group_size=None``); int4 needs smaller groups (32 to 128 inputs in practice). Both are stored
-one integer per byte (``torch.int8``): int4 is not packed two to a byte here, so its memory is
-counted as packed (:func:`weight_bytes`) but not saved. Activations stay in float: only the
+one integer per byte (``torch.int8``); where PyTorch's CPU int4 kernel can run, int4 also keeps a
+copy packed two to a byte in the kernel's layout, which is what a forward pass reads, so its
+memory is counted as packed (:func:`weight_bytes`). Activations stay in float: only the
 weights shrink.
 
 The scales and the integers are computed in float32 and the scales kept in float32, whatever
@@ -33,6 +34,10 @@ QMAX = {8: 127, 4: 7}
 # as stored, bf16 rounded from it. fp16 takes the dequantizing path: an fp16 scale underflows
 # (see above), and the CPU kernel was 10 times slower than fp16's F.linear where measured.
 INT8_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# PyTorch's CPU int4 kernel: bf16 activations only (float32 ran 20 times slower than F.linear
+# where measured), groups of these sizes, output rows a multiple of 16 (padded here).
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+INT4_ROWS = 16
 
 
 def _check(bits: int, group_size: int | None, in_features: int) -> int:
@@ -102,11 +107,12 @@ def dequantize_weight(q: Tensor, scale: Tensor) -> Tensor:
 class QuantizedLinear(nn.Module):
     """``nn.Linear`` with its weight held as integers and scales (the bias stays float).
 
-    int8 with one scale per row runs PyTorch's weight-only kernel
-    ``torch.ops.aten._weight_int8pack_mm`` on the CPU where this PyTorch has it, for float32
-    and bf16 activations, when no gradient must flow to ``x`` (it has no backward); otherwise
-    (int4, groups, other devices or dtypes, training through it) the weight is dequantized on
-    each call and multiplied in the activations' dtype.
+    On the CPU, when no gradient must flow to ``x`` (the kernels have no backward), PyTorch's
+    weight-only kernels run where this PyTorch has them: int8 with one scale per row
+    (``_weight_int8pack_mm``) for float32 and bf16 activations, int4 in groups of 32 to 256
+    (``_weight_int4pack_mm_for_cpu``, on a copy packed two to a byte at construction) for bf16
+    activations. Otherwise (other devices, dtypes or groups, training through it) the weight is
+    dequantized on each call and multiplied in the activations' dtype.
     """
 
     def __init__(self, linear: nn.Linear, *, bits: int, group_size: int | None = None) -> None:
@@ -120,6 +126,27 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scale", scale)  # (out, G)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias)
+        packed = self._int4_packed() if self._packs_int4() else (None, None)
+        self.register_buffer("int4_packed", packed[0], persistent=False)
+        self.register_buffer("int4_scales", packed[1], persistent=False)
+
+    def _packs_int4(self) -> bool:
+        return (
+            self.bits == 4
+            and self.group_size in INT4_KERNEL_GROUPS
+            and self.qweight.device.type == "cpu"
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        )
+
+    def _int4_packed(self) -> tuple[Tensor, Tensor]:
+        """The int4 kernel's operands: ``q + 8`` in ``[1, 15]`` packed two to a byte, and
+        (scale, zero = 0) per group and row ``(G, out', 2)`` in bf16, ``out'`` the rows padded
+        to a multiple of 16 with zeros (``q + 8 = 8``, scale 0)."""
+        pad = -self.out_features % INT4_ROWS
+        q = F.pad(self.qweight.to(torch.int32) + 8, (0, 0, 0, pad), value=8)  # (out', in)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        scale = F.pad(self.scale, (0, 0, 0, pad)).t()  # (G, out')
+        return packed, torch.stack([scale, torch.zeros_like(scale)], -1).to(torch.bfloat16)
 
     @property
     def weight(self) -> Tensor:
@@ -141,14 +168,28 @@ class QuantizedLinear(nn.Module):
             and not (x.requires_grad and torch.is_grad_enabled())  # the kernel has no backward
         )
 
+    def _uses_int4_kernel(self, x: Tensor) -> bool:
+        return (
+            self.int4_packed is not None
+            and x.device.type == "cpu"
+            and x.dtype == torch.bfloat16
+            and not (x.requires_grad and torch.is_grad_enabled())
+        )
+
     def forward(self, x: Tensor) -> Tensor:
         """``(..., in)`` → ``(..., out)``."""
         self._check_input(x)
-        if not self._uses_int8_kernel(x):
-            return F.linear(x, self.weight.to(x.dtype), self.bias)
         rows = x.reshape(-1, self.in_features)  # (N, in)
-        scale = self.scale[:, 0].to(x.dtype)  # (out,): the kernel wants x's dtype
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, scale)
+        if self._uses_int8_kernel(x):
+            scale = self.scale[:, 0].to(x.dtype)  # (out,): the kernel wants x's dtype
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, scale)
+        elif self._uses_int4_kernel(x):
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.int4_packed, self.group_size, self.int4_scales.to(x.dtype)
+            )[:, : self.out_features]  # (N, out): the padded rows dropped
+        else:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight.to(x.dtype), bias)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
