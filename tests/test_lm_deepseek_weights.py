@@ -12,23 +12,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-from helpers import raises, randomized
+from helpers import lm_config, raises, randomized, refused_unchanged
 from test_lm_latent_attention import CONFIGS, T, config, count_forms, left_padded
-from transformer_tutorial.lm.config import LMConfig
+from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.deepseek_weights import (
     DEEPSEEK_MATCHING,
     DEEPSEEK_MOE_MATCHING,
+    copy_block_to_deepseek_v3,
     copy_from_deepseek_v3,
     copy_to_deepseek_v3,
     deepseek_v3_config,
     lm_config_from_deepseek_v3,
 )
-from transformer_tutorial.lm.hf_weights import check_same_settings
+from transformer_tutorial.lm.hf_weights import check_same_settings, llama_config
 from transformer_tutorial.lm.model import LanguageModel
-from transformer_tutorial.lm.moe import DeepSeekMoE
+from transformer_tutorial.lm.moe import DeepSeekMoE, MixtureOfExperts
 from transformer_tutorial.lm.sampling import generate
+from transformer_tutorial.lora import add_lora
+from transformer_tutorial.quantization import quantize_linears
 
 RTOL = 1e-5
 # Logits after three layers: their attention written out (eager) and their RMSNorm in float32,
@@ -306,3 +310,78 @@ def test_deepseek_v3s_published_sizes_map_both_ways():
     check_same_settings(
         deepseek_v3_config(ours), published, DEEPSEEK_MATCHING + DEEPSEEK_MOE_MATCHING
     )
+
+
+# --- API probes (issue 42): each bad copy refused by name, both models left as they were -----
+
+
+def resized_head(model: LanguageModel) -> LanguageModel:
+    model.lm_head = torch.nn.Linear(model.config.d_model, model.config.vocab_size + 10, bias=False)
+    return model
+
+
+DEEPSEEK_PROBES = {  # name: (ours, theirs, copy, error, phrase)
+    "ours a dict": (
+        dict,
+        lambda: theirs(config()),
+        copy_from_deepseek_v3,
+        TypeError,
+        "ours must be a LanguageModel, got dict",
+    ),
+    "a Llama for a DeepSeek-V3": (
+        lambda: LanguageModel(config()),
+        lambda: LlamaForCausalLM(llama_config(lm_config(**LLAMA))),
+        copy_to_deepseek_v3,
+        TypeError,
+        "theirs must be a DeepseekV3ForCausalLM, got LlamaForCausalLM",
+    ),
+    "ours with LoRA layers (from)": (
+        lambda: add_lora(LanguageModel(config()), targets=("kv_a_proj",), rank=2, alpha=4.0),
+        lambda: theirs(config(), seed=0),
+        copy_from_deepseek_v3,
+        ValueError,
+        "ours holds LoRA layers (layers.0.self_attn.kv_a_proj)",
+    ),
+    "ours quantized (to)": (
+        lambda: quantize_linears(LanguageModel(config()), bits=8),
+        lambda: theirs(config(), seed=0),
+        copy_to_deepseek_v3,
+        ValueError,
+        "ours is quantized",
+    ),
+    "ours' output layer resized (to)": (
+        lambda: resized_head(LanguageModel(config())),
+        lambda: theirs(config(), seed=0),
+        copy_to_deepseek_v3,
+        ValueError,
+        "lm_head.weight: shapes differ",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "copy", "error", "phrase"),
+    DEEPSEEK_PROBES.values(),
+    ids=DEEPSEEK_PROBES.keys(),
+)
+def test_a_refused_copy_names_what_differs_and_leaves_both_models_as_they_were(
+    ours, theirs, copy, error, phrase
+):
+    ours, theirs = ours(), theirs()
+    models = [m for m in (ours, theirs) if isinstance(m, torch.nn.Module)]
+    refused_unchanged(lambda: copy(ours, theirs), error, phrase, *models)
+
+
+def test_blocks_and_configs_of_another_kind_are_refused_by_name():
+    block = DeepseekV3MoE(DeepseekV3Config(hidden_size=16, moe_intermediate_size=12))
+    raises(
+        lambda: copy_block_to_deepseek_v3(MixtureOfExperts(16, 12, 8, 2), block),
+        TypeError,
+        "ours must be a DeepSeekMoE, got MixtureOfExperts",
+    )
+    raises(
+        lambda: lm_config_from_deepseek_v3(LlamaConfig()),
+        TypeError,
+        "config must be a DeepseekV3Config, got LlamaConfig",
+    )
+    raises(lambda: deepseek_v3_config({}), TypeError, "config must be an LMConfig, got dict")

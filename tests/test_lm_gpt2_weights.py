@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 from transformers.activations import ACT2FN
 
 from helpers import lm_config as config
-from helpers import raises, randomized, to_device
+from helpers import raises, randomized, refused_unchanged, to_device
 from transformer_tutorial.layers import ACTIVATIONS
+from transformer_tutorial.lm.config import LLAMA
 from transformer_tutorial.lm.gpt2_weights import (
     copy_from_gpt2,
     copy_to_gpt2,
     gpt2_config,
     lm_config_from_gpt2,
 )
+from transformer_tutorial.lm.hf_weights import llama_config
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
 from transformer_tutorial.lm.sampling import generate
+from transformer_tutorial.lora import add_lora
+from transformer_tutorial.quantization import quantize_linears
 
 V, B, T = 50, 3, 16  # helpers.lm_config's vocabulary and positions
 ATOL = RTOL = 1e-5  # float32
@@ -149,3 +153,94 @@ def test_models_of_different_sizes_are_refused(changes, phrase):
     ours = LanguageModel(config(**changes))
     raises(lambda: copy_from_gpt2(ours, gpt2()), ValueError, phrase)
     raises(lambda: copy_to_gpt2(ours, gpt2()), ValueError, phrase)
+
+
+# --- API probes (issue 42): each bad copy refused by name, both models left as they were -----
+
+
+def lora(model: torch.nn.Module, target: str) -> torch.nn.Module:
+    return add_lora(model, targets=(target,), rank=2, alpha=4.0)
+
+
+def with_extra_weight(model: torch.nn.Module) -> torch.nn.Module:
+    model.register_parameter("extra", torch.nn.Parameter(torch.ones(3)))
+    return model
+
+
+def resized_head(model: LanguageModel) -> LanguageModel:
+    model.lm_head = torch.nn.Linear(model.config.d_model, V + 10, bias=False)
+    return model
+
+
+UNTIED = dict(tie_embeddings=False)
+GPT2_PROBES = {  # name: (ours, theirs, copy, error, phrase)
+    "ours a dict": (
+        lambda: {},
+        gpt2,
+        copy_to_gpt2,
+        TypeError,
+        "ours must be a LanguageModel, got dict",
+    ),
+    "theirs a Llama": (
+        lambda: LanguageModel(config()),
+        lambda: LlamaForCausalLM(llama_config(config(**LLAMA))),
+        copy_from_gpt2,
+        TypeError,
+        "gpt2 must be a GPT2LMHeadModel, got LlamaForCausalLM",
+    ),
+    "ours with LoRA layers": (
+        lambda: lora(LanguageModel(config()), "out_proj"),
+        gpt2,
+        copy_from_gpt2,
+        ValueError,
+        "ours holds LoRA layers (layers.0.self_attn.out_proj): merge them first",
+    ),
+    "ours quantized": (
+        lambda: quantize_linears(LanguageModel(config()), bits=8),
+        gpt2,
+        copy_from_gpt2,
+        ValueError,
+        "ours is quantized (layers.0.self_attn.q_proj): copy the float weights, then quantize",
+    ),
+    "ours' output layer resized (to)": (
+        lambda: resized_head(LanguageModel(config(**UNTIED))),
+        lambda: gpt2(**UNTIED),
+        copy_to_gpt2,
+        ValueError,
+        "lm_head.weight: shapes differ, (50, 32) vs (60, 32)",
+    ),
+    "a weight added to theirs": (
+        lambda: LanguageModel(config()),
+        lambda: with_extra_weight(gpt2()),
+        copy_from_gpt2,
+        ValueError,
+        "gpt2 has weights the mapping does not know (extra)",
+    ),
+    "a weight added to ours": (
+        lambda: with_extra_weight(LanguageModel(config())),
+        gpt2,
+        copy_to_gpt2,
+        ValueError,
+        "ours has weights the mapping does not know (extra)",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "copy", "error", "phrase"), GPT2_PROBES.values(), ids=GPT2_PROBES.keys()
+)
+def test_a_refused_copy_names_what_differs_and_leaves_both_models_as_they_were(
+    ours, theirs, copy, error, phrase
+):
+    ours, theirs = ours(), theirs()
+    models = [m for m in (ours, theirs) if isinstance(m, torch.nn.Module)]
+    refused_unchanged(lambda: copy(ours, theirs), error, phrase, *models)
+
+
+def test_configs_of_another_kind_are_refused_by_name():
+    raises(lambda: gpt2_config({"d_model": 32}), TypeError, "config must be an LMConfig, got dict")
+    raises(
+        lambda: lm_config_from_gpt2(llama_config(config(**LLAMA))),
+        TypeError,
+        "config must be a GPT2Config, got LlamaConfig",
+    )

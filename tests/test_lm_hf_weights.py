@@ -10,10 +10,16 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from helpers import lm_config as config
-from helpers import raises, randomized, to_device
+from helpers import raises, randomized, refused_unchanged, to_device
 from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
 from transformer_tutorial.lm.hf_weights import (
     copy_from_llama,
@@ -27,6 +33,8 @@ from transformer_tutorial.lm.hf_weights import (
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.rope_scaling import RopeScaling
 from transformer_tutorial.lm.sampling import generate
+from transformer_tutorial.lora import add_lora
+from transformer_tutorial.quantization import quantize_linears
 
 V, B, T = 50, 3, 16  # helpers.lm_config's vocabulary and positions
 ATOL = RTOL = 1e-5  # float32
@@ -448,4 +456,106 @@ def test_scalings_that_differ_are_refused_when_copying():
         lambda: llama_config(modern("llama", partial_rotary_factor=0.5)),
         ValueError,
         "set partial_rotary_factor=1.0",
+    )
+
+
+# --- API probes (issue 42): each bad copy refused by name, both models left as they were -----
+
+
+def lora(model: torch.nn.Module, target: str) -> torch.nn.Module:
+    return add_lora(model, targets=(target,), rank=2, alpha=4.0)
+
+
+def resized_head(model: LanguageModel) -> LanguageModel:
+    model.lm_head = torch.nn.Linear(model.config.d_model, V + 10, bias=False)
+    return model
+
+
+def ours_llama() -> LanguageModel:
+    return LanguageModel(modern("llama"))
+
+
+def their_llama() -> LlamaForCausalLM:
+    return theirs("llama", modern("llama"), seed=1)
+
+
+HF_PROBES = {  # name: (ours, theirs, copy, error, phrase)
+    "ours a dict": (
+        lambda: {},
+        their_llama,
+        copy_to_llama,
+        TypeError,
+        "ours must be a LanguageModel",
+    ),
+    "ours their model": (
+        their_llama,
+        their_llama,
+        copy_from_llama,
+        TypeError,
+        "ours must be a LanguageModel, got LlamaForCausalLM",
+    ),
+    "a Qwen3 for a Llama": (
+        ours_llama,
+        lambda: theirs("qwen3", modern("qwen3")),
+        copy_from_llama,
+        TypeError,
+        "llama must be a LlamaForCausalLM, got Qwen3ForCausalLM",
+    ),
+    "a Llama for a Qwen3": (
+        lambda: LanguageModel(modern("qwen3")),
+        their_llama,
+        copy_to_qwen3,
+        TypeError,
+        "qwen3 must be a Qwen3ForCausalLM, got LlamaForCausalLM",
+    ),
+    "ours with LoRA layers (from)": (
+        lambda: lora(ours_llama(), "v_proj"),
+        their_llama,
+        copy_from_llama,
+        ValueError,
+        "ours holds LoRA layers (layers.0.self_attn.v_proj): merge them first (lora.merge_lora)",
+    ),
+    "theirs with LoRA layers (to)": (
+        ours_llama,
+        lambda: lora(their_llama(), "v_proj"),
+        copy_to_llama,
+        ValueError,
+        "llama holds LoRA layers (model.layers.0.self_attn.v_proj)",
+    ),
+    "ours quantized (from)": (
+        lambda: quantize_linears(ours_llama(), bits=8),
+        their_llama,
+        copy_from_llama,
+        ValueError,
+        "ours is quantized (layers.0.self_attn.q_proj)",
+    ),
+    "ours' output layer resized (to)": (
+        lambda: resized_head(ours_llama()),
+        their_llama,
+        copy_to_llama,
+        ValueError,
+        "lm_head.weight: shapes differ, (50, 32) vs (60, 32)",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "copy", "error", "phrase"), HF_PROBES.values(), ids=HF_PROBES.keys()
+)
+def test_a_refused_copy_names_what_differs_and_leaves_both_models_as_they_were(
+    ours, theirs, copy, error, phrase
+):
+    ours, theirs = ours(), theirs()
+    models = [m for m in (ours, theirs) if isinstance(m, torch.nn.Module)]
+    refused_unchanged(lambda: copy(ours, theirs), error, phrase, *models)
+
+
+def test_configs_of_another_kind_are_refused_by_name():
+    raises(
+        lambda: llama_config({"d_model": 32}), TypeError, "config must be an LMConfig, got dict"
+    )
+    raises(
+        lambda: lm_config_from_llama(GPT2Config()),
+        TypeError,
+        "config must be a LlamaConfig or a Qwen3Config, got GPT2Config",
     )

@@ -574,3 +574,191 @@ def test_route_refuses_top_k_zero_and_more_than_the_experts():
     raises(lambda: route(logits, 0, norm_topk_prob=False), ValueError, "top_k")
     raises(lambda: route(logits, 5, norm_topk_prob=False), ValueError, "top_k=5 exceeds")
     raises(lambda: tokens_per_expert((logits,), 0), ValueError, "top_k")
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+NAN = float("nan")
+L6 = torch.randn(6, 4)
+BIAS4 = torch.zeros(4)
+DS_ROUTE = dict(n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
+MOE_PROBES = {
+    "route: logits a list": (
+        lambda: route([[1.0, 2.0]], 1, norm_topk_prob=False),
+        TypeError,
+        "router_logits must be a Tensor (N, E), got list",
+    ),
+    "route: integer logits": (
+        lambda: route(torch.ones(3, 4, dtype=torch.long), 1, norm_topk_prob=False),
+        TypeError,
+        "router_logits must be a floating-point tensor, got torch.int64",
+    ),
+    "route: (B, T, E) logits": (
+        lambda: route(torch.randn(2, 3, 4), 1, norm_topk_prob=False),
+        ValueError,
+        "router_logits must be (N, E), got shape (2, 3, 4)",
+    ),
+    "route: norm_topk_prob 1": (
+        lambda: route(L6, 1, norm_topk_prob=1),
+        TypeError,
+        "norm_topk_prob must be True or False, got 1",
+    ),
+    "group_limited_route: (B, T, E) logits": (
+        lambda: group_limited_route(torch.randn(2, 3, 4), BIAS4, 1, **DS_ROUTE),
+        ValueError,
+        "router_logits must be (N, E), got shape (2, 3, 4)",
+    ),
+    "group_limited_route: integer bias": (
+        lambda: group_limited_route(L6, BIAS4.long(), 1, **DS_ROUTE),
+        TypeError,
+        "correction_bias must be a floating-point tensor, got torch.int64",
+    ),
+    "group_limited_route: NaN scaling": (
+        lambda: group_limited_route(L6, BIAS4, 1, **(DS_ROUTE | {"routed_scaling_factor": NAN})),
+        ValueError,
+        "routed_scaling_factor must be greater than 0.0, got nan",
+    ),
+    "group_limited_route: norm_topk_prob 1": (
+        lambda: group_limited_route(L6, BIAS4, 1, **(DS_ROUTE | {"norm_topk_prob": 1})),
+        TypeError,
+        "norm_topk_prob must be True or False, got 1",
+    ),
+    "update_correction_bias: counts a list": (
+        lambda: update_correction_bias(torch.zeros(4), [1, 2, 3, 4], 0.001),
+        TypeError,
+        "counts must be a Tensor (E,), got list",
+    ),
+    "update_correction_bias: integer bias": (
+        lambda: update_correction_bias(torch.zeros(4, dtype=torch.long), torch.ones(4), 0.001),
+        TypeError,
+        "correction_bias must be a floating-point tensor, got torch.int64",
+    ),
+    "load_balancing_loss: one tensor": (
+        lambda: load_balancing_loss(L6, 1),
+        TypeError,
+        "router_logits must be a list or tuple of (N, E) tensors, one per sparse layer",
+    ),
+    "load_balancing_loss: widths differ": (
+        lambda: load_balancing_loss((L6, torch.randn(6, 5)), 1),
+        ValueError,
+        "router_logits[1] has shape (6, 5), router_logits[0] (6, 4)",
+    ),
+    "load_balancing_loss: rows differ": (
+        lambda: load_balancing_loss((L6, torch.randn(5, 4)), 1),
+        ValueError,
+        "router_logits[1] has shape (5, 4)",
+    ),
+    "load_balancing_loss: integer logits": (
+        lambda: load_balancing_loss((torch.ones(6, 4, dtype=torch.long),), 1),
+        TypeError,
+        "router_logits[0] must be a floating-point tensor, got torch.int64",
+    ),
+    "load_balancing_loss: padding mask a list": (
+        lambda: load_balancing_loss((L6,), 1, padding_mask=[[False] * 6]),
+        TypeError,
+        "padding_mask must be a Tensor (B, T), got list",
+    ),
+    "load_balancing_loss_per_layer: one tensor": (
+        lambda: load_balancing_loss_per_layer(L6, 1),
+        TypeError,
+        "router_logits must be a list or tuple",
+    ),
+    "tokens_per_expert: empty": (
+        lambda: tokens_per_expert((), 1),
+        ValueError,
+        "router_logits is empty",
+    ),
+    "tokens_per_expert: one tensor": (
+        lambda: tokens_per_expert(L6, 1),
+        TypeError,
+        "router_logits must be a list or tuple",
+    ),
+    "tokens_per_expert: padding of 5 for 6 rows": (
+        lambda: tokens_per_expert((L6,), 1, padding_mask=torch.zeros(1, 5, dtype=torch.bool)),
+        ValueError,
+        "padding_mask must be (B, T) with B·T = 6",
+    ),
+    "tokens_per_expert: float padding": (
+        lambda: tokens_per_expert((L6,), 1, padding_mask=torch.zeros(1, 6)),
+        TypeError,
+        "padding_mask must be a bool tensor, got torch.float32",
+    ),
+    "tokens_per_expert: layers of another k": (
+        lambda: tokens_per_expert((L6,), 1, layers=[MixtureOfExperts(D, F_, 4, 2)]),
+        ValueError,
+        "layers[0] routes each token to 2 of 4 experts; its logits have 4 and top_k is 1",
+    ),
+    "tokens_per_expert: layers not mixtures": (
+        lambda: tokens_per_expert((L6,), 1, layers=[torch.nn.Linear(2, 2)]),
+        TypeError,
+        "layers[0] must be a MixtureOfExperts, got Linear",
+    ),
+    "Experts: expert id 7 of 4": (
+        lambda: Experts(4, 8, 6)(torch.randn(3, 8), torch.full((3, 1), 7), torch.ones(3, 1)),
+        ValueError,
+        "experts must be expert ids 0 to 3",
+    ),
+    "Experts: float expert ids": (
+        lambda: Experts(4, 8, 6)(torch.randn(3, 8), torch.zeros(3, 1), torch.ones(3, 1)),
+        TypeError,
+        "experts must be an integer tensor, got torch.float32",
+    ),
+    "Experts: weights of another k": (
+        lambda: Experts(4, 8, 6)(
+            torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 1)
+        ),
+        ValueError,
+        "x (3, 8), experts (3, 2) and weights (3, 1) must agree: (N, D=8), (N, k), (N, k)",
+    ),
+    "MixtureOfExperts: d_model a float": (
+        lambda: MixtureOfExperts(8.0, 6, 4, 2),
+        TypeError,
+        "d_model must be an int, got 8.0",
+    ),
+    "MixtureOfExperts: x of another width": (
+        lambda: MixtureOfExperts(8, 6, 4, 2)(torch.randn(2, 3, 7)),
+        ValueError,
+        "x must be (..., D) with D = 8, got shape (2, 3, 7)",
+    ),
+    "MixtureOfExperts: integer x": (
+        lambda: MixtureOfExperts(8, 6, 4, 2)(torch.ones(2, 8, dtype=torch.long)),
+        TypeError,
+        "x must be a floating-point tensor, got torch.int64",
+    ),
+    "DeepSeekMoE: x of another width": (
+        lambda: DeepSeekMoE(8, 6, 4, 2)(torch.randn(2, 3, 7)),
+        ValueError,
+        "x must be (..., D) with D = 8, got shape (2, 3, 7)",
+    ),
+}
+
+
+@pytest.mark.parametrize(("call", "error", "phrase"), MOE_PROBES.values(), ids=MOE_PROBES.keys())
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(call, error, phrase)
+
+
+def test_a_refused_bias_update_leaves_the_bias_as_it_was():
+    bias = torch.tensor([0.1, -0.2, 0.3, 0.0])
+    raises(lambda: update_correction_bias(bias, torch.ones(5), 0.1), ValueError, "counts")
+    assert torch.equal(bias, torch.tensor([0.1, -0.2, 0.3, 0.0]))
+
+
+def test_tokens_per_expert_counts_a_sigmoid_router_as_it_routes_given_its_layers():
+    """The softmax top-k of a DeepSeek layer's logits ignores its correction bias and groups:
+    given its layers, tokens_per_expert counts the experts the layer really chose."""
+    torch.manual_seed(0)
+    layer = DeepSeekMoE(D, F_, 8, 2, n_group=4, topk_group=2).eval()
+    with torch.no_grad():
+        layer.correction_bias.copy_(torch.tensor([2.0, 2.0, 0, 0, 0, 0, 0, 0]))
+        _, logits = layer.forward_with_router_logits(x())
+    chosen = layer.route(logits)[1]
+    expected = torch.bincount(chosen.flatten(), minlength=8)
+    assert expected[:2].tolist() == [B * T, B * T]  # the bias sends every token to 0 and 1
+    counts = tokens_per_expert((logits,), 2, layers=[layer])
+    assert counts.tolist() == [expected.tolist()]
+    assert tokens_per_expert((logits,), 2).tolist() != counts.tolist()  # the softmax's choice
+    softmax_layer = MixtureOfExperts(D, F_, 8, 2)
+    assert torch.equal(
+        tokens_per_expert((logits,), 2, layers=[softmax_layer]), tokens_per_expert((logits,), 2)
+    )

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from helpers import raises
+from helpers import bad_command_line, raises
 from transformer_tutorial import data
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.model import LanguageModel
@@ -85,3 +86,61 @@ def test_the_shipped_record_holds_both_runs_at_the_same_cpu_time():
 
 def test_bad_names_are_refused():
     raises(lambda: comparison_config("sparse", 2000), ValueError, "name must be one of")
+
+
+def sigmoid_model() -> LanguageModel:
+    """COMPARED["moe"] with DeepSeek-V3's router, its correction bias sending every token to
+    experts 0 and 1."""
+    changes = dict(max_len=16, router="sigmoid", norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(vocab_size=V, **(COMPARED["moe"] | changes)))
+    for layer in model.layers:
+        layer.ff.correction_bias[:2] = 5.0
+    return model
+
+
+def test_expert_load_of_a_sigmoid_router_counts_the_experts_it_chose():
+    """The softmax top-k of its logits ignores the bias: every token went to 0 and 1."""
+    val = data.pad_batch(sentences(8, seed=1))
+    real = int((val != data.PAD_ID).sum())
+    for layer_load in expert_load(sigmoid_model(), val):
+        assert layer_load[:2] == [real, real] and sum(layer_load) == 2 * real
+
+
+def test_train_for_cpu_refuses_a_sigmoid_router_and_leaves_it_untrained():
+    model = sigmoid_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train, val = sentences(8), data.pad_batch(sentences(4, seed=1))
+    call = lambda: train_for_cpu(model, train, val, cpu_seconds=0.5)  # noqa: E731
+    raises(call, ValueError, "router='sigmoid': the load-balancing loss is the softmax router's")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+# --- the command line (issue 42): a bad flag is one line and exit status 2, never a traceback --
+
+
+def record_of(tmp_path, text: str) -> str:
+    path = tmp_path / "record.json"
+    path.write_text(text)
+    return str(path)
+
+
+MOE_CLI_PROBES = {  # name: (argv from tmp_path, the line)
+    "--merge of a missing file": (
+        lambda tmp: ["--merge", str(tmp / "missing.json"), "--out", str(tmp / "o.json")],
+        "error: argument --merge: cannot read",
+    ),
+    "--merge of a record without runs": (
+        lambda tmp: ["--merge", record_of(tmp, '{"command": []}'), "--out", str(tmp / "o.json")],
+        "error: argument --merge:",
+    ),
+    "--out a folder": (
+        lambda tmp: ["--model", "moe", "--out", str(tmp)],
+        "error: argument --out:",
+    ),
+}
+
+
+@pytest.mark.parametrize(("argv", "line"), MOE_CLI_PROBES.values(), ids=MOE_CLI_PROBES.keys())
+def test_a_bad_flag_is_one_line_and_exit_status_2(capsys, tmp_path, argv, line):
+    bad_command_line(capsys, main, argv(tmp_path), line)

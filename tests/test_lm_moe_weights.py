@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3MoeForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-from helpers import lm_config, raises, randomized, to_device
+from helpers import lm_config, raises, randomized, refused_unchanged, to_device
 from transformer_tutorial.lm.config import QWEN3, LMConfig
+from transformer_tutorial.lm.hf_weights import qwen3_config
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
-from transformer_tutorial.lm.moe import load_balancing_loss
+from transformer_tutorial.lm.moe import MixtureOfExperts, load_balancing_loss
 from transformer_tutorial.lm.moe_weights import (
+    copy_block_to_qwen3_moe,
     copy_from_qwen3_moe,
     copy_to_qwen3_moe,
     lm_config_from_qwen3_moe,
@@ -23,6 +25,7 @@ from transformer_tutorial.lm.moe_weights import (
 )
 from transformer_tutorial.lm.rope_scaling import RopeScaling
 from transformer_tutorial.lm.sampling import generate
+from transformer_tutorial.lora import add_lora
 
 V, B, T = 50, 3, 24
 ATOL = RTOL = 1e-5  # float32
@@ -176,4 +179,112 @@ def test_models_that_differ_are_refused_naming_the_setting():
     raises(lambda: qwen3_moe_config(deepseek_router), ValueError, "router='softmax'")
     raises(
         lambda: copy_to_qwen3_moe(ours, torch.nn.Linear(2, 2)), TypeError, "Qwen3MoeForCausalLM"
+    )
+
+
+# --- API probes (issue 42): each bad copy refused by name, both models left as they were -----
+
+
+def block_pair(top_k: int = 2, norm: bool = True, d_ff: int = 24, n_experts: int = 4):
+    ours = MixtureOfExperts(32, d_ff, n_experts, top_k, norm_topk_prob=norm)
+    return ours, theirs(config(), seed=0).model.layers[0].mlp
+
+
+def ours_moe(**changes) -> LanguageModel:
+    return LanguageModel(config(**changes))
+
+
+def resized_head(model: LanguageModel) -> LanguageModel:
+    model.lm_head = torch.nn.Linear(model.config.d_model, V + 10, bias=False)
+    return model
+
+
+MOE_WEIGHT_PROBES = {  # name: (ours, theirs, copy, error, phrase)
+    "ours a dict": (
+        dict,
+        lambda: theirs(config()),
+        copy_from_qwen3_moe,
+        TypeError,
+        "ours must be a LanguageModel, got dict",
+    ),
+    "a Qwen3 for a Qwen3-MoE": (
+        ours_moe,
+        lambda: Qwen3ForCausalLM(qwen3_config(lm_config(**QWEN3))),
+        copy_to_qwen3_moe,
+        TypeError,
+        "theirs must be a Qwen3MoeForCausalLM, got Qwen3ForCausalLM",
+    ),
+    "ours with LoRA layers (from)": (
+        lambda: add_lora(ours_moe(), targets=("v_proj",), rank=2, alpha=4.0),
+        lambda: theirs(config(), seed=0),
+        copy_from_qwen3_moe,
+        ValueError,
+        "ours holds LoRA layers (layers.0.self_attn.v_proj)",
+    ),
+    "ours' output layer resized (from)": (
+        lambda: resized_head(ours_moe()),
+        lambda: theirs(config(), seed=0),
+        copy_from_qwen3_moe,
+        ValueError,
+        "lm_head.weight: shapes differ, (60, 32) vs (50, 32)",
+    ),
+    "other experts": (
+        ours_moe,
+        lambda: theirs(config(n_experts=8), seed=0),
+        copy_from_qwen3_moe,
+        ValueError,
+        "the two models differ in num_experts: ours 4, theirs 8",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "copy", "error", "phrase"),
+    MOE_WEIGHT_PROBES.values(),
+    ids=MOE_WEIGHT_PROBES.keys(),
+)
+def test_a_refused_copy_names_what_differs_and_leaves_both_models_as_they_were(
+    ours, theirs, copy, error, phrase
+):
+    ours, theirs = ours(), theirs()
+    models = [m for m in (ours, theirs) if isinstance(m, torch.nn.Module)]
+    refused_unchanged(lambda: copy(ours, theirs), error, phrase, *models)
+
+
+BLOCK_PROBES = {  # name: (changes to our block, error, phrase)
+    "another top_k": (
+        dict(top_k=1),
+        ValueError,
+        "differ in num_experts_per_tok: ours 1, theirs 2",
+    ),
+    "norm_topk_prob off": (
+        dict(norm=False),
+        ValueError,
+        "norm_topk_prob: ours False, theirs True",
+    ),
+    "another expert width": (dict(d_ff=12), ValueError, "experts.gate_up_proj: shapes differ"),
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "phrase"), BLOCK_PROBES.values(), ids=BLOCK_PROBES.keys()
+)
+def test_a_refused_block_copy_names_what_differs_and_changes_nothing(changes, error, phrase):
+    """A block of another k or renormalisation gave other outputs without a word; one of
+    another width had its router copied before the experts were refused."""
+    ours, block = block_pair(**changes)
+    refused_unchanged(lambda: copy_block_to_qwen3_moe(ours, block), error, phrase, ours, block)
+
+
+def test_a_block_of_another_kind_is_refused_by_name():
+    _, block = block_pair()
+    raises(
+        lambda: copy_block_to_qwen3_moe(torch.nn.Linear(2, 2), block),
+        TypeError,
+        "ours must be a MixtureOfExperts, got Linear",
+    )
+    raises(
+        lambda: lm_config_from_qwen3_moe(Qwen3Config()),
+        TypeError,
+        "config must be a Qwen3MoeConfig, got Qwen3Config",
     )

@@ -7,8 +7,10 @@ same checks through :class:`ArgumentParser` and its converters (:func:`int_arg`,
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -181,3 +183,34 @@ def device_arg(text: str) -> str:
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return text
+
+
+def out_file_arg(text: str) -> Path:
+    """An argparse ``type``: a path to write a file to, not an existing folder (refused before
+    a run, not when its record is written at the end)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name the file to write")
+    return path
+
+
+def read_record(
+    parser: argparse.ArgumentParser, flag: str, path: Path, keys: Iterable[str] = ()
+) -> dict:
+    """The JSON object in ``path``, a run record named by the command line's ``flag``, holding
+    ``keys``; a file that is missing, unreadable, not JSON, not an object or without one of the
+    keys is the parser's one-line error (exit status 2), never a traceback."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        parser.error(f"argument {flag}: cannot read {str(path)!r} as JSON: {err}")
+    if not isinstance(record, dict):
+        parser.error(
+            f"argument {flag}: {str(path)!r} holds a JSON {type(record).__name__}, not a record"
+        )
+    missing = [k for k in keys if k not in record]
+    if missing:
+        parser.error(
+            f"argument {flag}: {str(path)!r} is not a record of this command: no {missing}"
+        )
+    return record

@@ -23,11 +23,12 @@ from torch import Tensor
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
+from transformer_tutorial.checks import check_type
 from transformer_tutorial.lm.config import LLAMA, LMConfig
+from transformer_tutorial.lm.gpt2_weights import check_models, copy_pairs
 from transformer_tutorial.lm.hf_weights import (
     LLAMA_NAMES,
     LLAMA_OUTSIDE,
-    _check_kind,
     _max_len,
     _require,
     _rope_parameters,
@@ -99,6 +100,7 @@ def deepseek_v3_config(config: LMConfig) -> DeepseekV3Config:
     (``first_k_dense_replace`` = layers), or with ``n_experts`` its mixtures from
     ``first_k_dense_replace = len(dense_layers)`` on. An error names every field to change if
     ours is not DeepSeek's kind."""
+    check_type("config", config, LMConfig, "an LMConfig")
     required = {k: v for k, v in DEEPSEEK.items() if k not in ("tie_embeddings", "layer_norm_eps")}
     if config.n_experts:
         required |= dict(
@@ -158,6 +160,7 @@ def lm_config_from_deepseek_v3(
     groups that do not fit the experts are refused, naming the setting. ``max_len`` as
     :func:`~transformer_tutorial.lm.hf_weights.lm_config_from_llama` (YaRN's
     ``factor × original_max_position_embeddings`` if longer than theirs)."""
+    check_type("config", config, DeepseekV3Config, "a DeepseekV3Config")
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: ours maps only SwiGLU ('silu')")
     if config.attention_bias:
@@ -261,23 +264,15 @@ def _pairs(
 
 
 def _copy(ours: LanguageModel, theirs: DeepseekV3ForCausalLM, *, to_theirs: bool) -> None:
-    _check_kind(theirs, DeepseekV3ForCausalLM)
-    pairs = list(_pairs(ours, theirs))  # every name and setting checked before any copy
-    for name, mine, their in pairs:
-        shape = mine[0].shape
-        if len(mine) > 1:  # gate_proj and up_proj (E, F, D) → (E, 2F, D)
-            shape = torch.Size([shape[0], len(mine) * shape[1], *shape[2:]])
-        if shape != their.shape:
-            raise ValueError(f"{name}: shapes differ, {tuple(shape)} vs {tuple(their.shape)}")
-    with torch.no_grad():
-        for _, mine, their in pairs:
-            if to_theirs:
-                their.copy_(mine[0] if len(mine) == 1 else torch.cat(mine, dim=1))  # (E, 2F, D)
-            elif len(mine) == 1:
-                mine[0].copy_(their)
-            else:  # gate_up_proj (E, 2F, D) → gate_proj, up_proj (E, F, D) each
-                for part, piece in zip(mine, their.chunk(2, dim=1), strict=True):
-                    part.copy_(piece)
+    check_models(ours, theirs, DeepseekV3ForCausalLM)
+    pairs = []  # (their name, destination, source): gate_up_proj's halves are views of it
+    for name, mine, their in _pairs(ours, theirs):
+        parts = their.chunk(len(mine), dim=1) if len(mine) > 1 else (their,)
+        if len(parts) != len(mine):
+            raise ValueError(f"{name}: shapes differ, {tuple(their.shape)} cannot split in two")
+        for part, piece in zip(mine, parts, strict=True):
+            pairs.append((name, piece, part) if to_theirs else (name, part, piece))
+    copy_pairs(pairs, ours, theirs)
 
 
 def copy_from_deepseek_v3(ours: LanguageModel, theirs: DeepseekV3ForCausalLM) -> None:
@@ -298,8 +293,8 @@ def copy_block_to_deepseek_v3(ours: DeepSeekMoE, theirs: DeepseekV3MoE) -> None:
     """One layer's mapping: our :class:`~transformer_tutorial.lm.moe.DeepSeekMoE` into a
     ``DeepseekV3MoE`` of the same sizes (:data:`MOE_NAMES`; ``gate_proj`` and ``up_proj``
     stacked into ``gate_up_proj``), the correction bias included."""
-    _check_kind(ours, DeepSeekMoE)
-    _check_kind(theirs, DeepseekV3MoE)
+    check_type("ours", ours, DeepSeekMoE, "a DeepSeekMoE")
+    check_type("theirs", theirs, DeepseekV3MoE, "a DeepseekV3MoE")
     shared, gate = ours.shared_experts, theirs.gate
     settings = {  # name: (ours, theirs)
         "num_experts_per_tok": (ours.top_k, gate.top_k),

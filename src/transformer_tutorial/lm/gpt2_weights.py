@@ -16,14 +16,17 @@ Llama's and Qwen3's mappings (chapter 17) are in :mod:`~transformer_tutorial.lm.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from transformer_tutorial.checks import check_type
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lora import LoRALinear
+from transformer_tutorial.quantization import QuantizedLinear
 
 # The fields of LMConfig a copy needs equal on both sides.
 MATCHING = (
@@ -40,9 +43,73 @@ MATCHING = (
 GPT2_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 
 
+def check_models(ours: object, theirs: object, kind: type, *, name: str = "theirs") -> None:
+    """Refuse a copy between ``ours`` and ``theirs`` (the argument ``name``) before anything is
+    copied: ``ours`` must be a :class:`LanguageModel`, ``theirs`` a ``kind``, both holding plain
+    weights (LoRA merged, not quantized: those hold no weight where a checkpoint's goes). Every
+    copy function of the package's weight mappings calls it first."""
+    check_type("ours", ours, LanguageModel, "a LanguageModel")
+    check_type(name, theirs, kind, f"a {kind.__name__}")
+    for side, model in (("ours", ours), (name, theirs)):
+        for name, module in model.named_modules():
+            if isinstance(module, LoRALinear):
+                raise ValueError(
+                    f"{side} holds LoRA layers ({name}): merge them first (lora.merge_lora), "
+                    "then copy"
+                )
+            if isinstance(module, QuantizedLinear):
+                raise ValueError(
+                    f"{side} is quantized ({name}): copy the float weights, then quantize"
+                )
+
+
+def copy_pairs(
+    pairs: Iterable[tuple[str, Tensor, Tensor]],
+    ours: nn.Module,
+    theirs: nn.Module,
+    *,
+    name: str = "theirs",
+) -> None:
+    """Copy each ``(their name, destination, source)`` pair, after checking all of them: every
+    shape equal, and every weight of both models written or read (a model changed after it was
+    built, with a layer replaced or a table resized, is refused, naming the first difference).
+    A refused copy leaves both models as they were."""
+    pairs = list(pairs)
+    for weight, dst, src in pairs:
+        if dst.shape != src.shape:
+            shapes = f"{tuple(dst.shape)} vs {tuple(src.shape)}"
+            raise ValueError(f"{weight}: shapes differ, {shapes}")
+    touched = {id(t) for _, dst, src in pairs for t in (dst, src)}
+    touched |= {id(t._base) for _, dst, src in pairs for t in (dst, src) if t._base is not None}
+    for side, model in (("ours", ours), (name, theirs)):
+        skipped = _tied_head(model)
+        left = [n for n, p in model.named_parameters() if id(p) not in touched | skipped]
+        if left:
+            raise ValueError(
+                f"{side} has weights the mapping does not know ({', '.join(left[:3])}): "
+                "a layer replaced or added after the model was built"
+            )
+    with torch.no_grad():
+        for _, dst, src in pairs:
+            dst.copy_(src)
+
+
+def _tied_head(model: nn.Module) -> set[int]:
+    """The output layer's weight of a model whose config ties it to the embedding (it is
+    copied as the embedding; building on ``meta`` and ``to_empty`` can leave it a tensor of its
+    own until the weights are tied again), as an id; else none."""
+    config = getattr(model, "config", None)
+    if isinstance(model, LanguageModel) and model.config.tie_embeddings:
+        return {id(model.lm_head.weight)}
+    if getattr(config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        return {id(model.get_output_embeddings().weight)}
+    return set()
+
+
 def gpt2_config(config: LMConfig) -> GPT2Config:
     """The ``GPT2Config`` of the model our ``config`` builds; an error if ours is not GPT-2's
     kind (its message lists every field to change)."""
+    check_type("config", config, LMConfig, "an LMConfig")
     required = dict(
         norm_first=True,
         norm="layer",
@@ -76,6 +143,7 @@ def gpt2_config(config: LMConfig) -> GPT2Config:
 def lm_config_from_gpt2(config: GPT2Config) -> LMConfig:
     """Our :class:`LMConfig` for a ``GPT2Config``. GPT-2's three dropouts (embeddings,
     attention, residual) become our one ``dropout``: its ``resid_pdrop``."""
+    check_type("config", config, GPT2Config, "a GPT2Config")
     if config.activation_function not in GPT2_TANH_GELUS:
         raise ValueError(
             f"activation_function={config.activation_function!r}: ours maps only GELU's tanh "
@@ -148,23 +216,22 @@ def _pairs(
         yield "lm_head.weight", ours.lm_head.weight, gpt2.lm_head.weight, False
 
 
-def _copy(dst: Tensor, src: Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"{name}: shapes differ, {tuple(dst.shape)} vs {tuple(src.shape)}")
-    dst.copy_(src)
-
-
 def copy_from_gpt2(ours: LanguageModel, gpt2: GPT2LMHeadModel) -> None:
     """Copy a ``GPT2LMHeadModel``'s weights into our :class:`LanguageModel` (same sizes):
     ``Conv1D`` weights transposed, ``c_attn`` split into ``q_proj``, ``k_proj``, ``v_proj``."""
-    with torch.no_grad():
-        for name, mine, theirs, transposed in _pairs(ours, gpt2):
-            _copy(mine, theirs.T if transposed else theirs, name)
+    check_models(ours, gpt2, GPT2LMHeadModel, name="gpt2")
+    pairs = [
+        (name, mine, t.T if transposed else t) for name, mine, t, transposed in _pairs(ours, gpt2)
+    ]
+    copy_pairs(pairs, ours, gpt2, name="gpt2")
 
 
 def copy_to_gpt2(ours: LanguageModel, gpt2: GPT2LMHeadModel) -> None:
     """Copy our :class:`LanguageModel`'s weights into a ``GPT2LMHeadModel`` (same sizes): the
     inverse of :func:`copy_from_gpt2`."""
-    with torch.no_grad():
-        for name, mine, theirs, transposed in _pairs(ours, gpt2):
-            _copy(theirs, mine.T if transposed else mine, name)
+    check_models(ours, gpt2, GPT2LMHeadModel, name="gpt2")
+    pairs = [
+        (name, t, mine.T if transposed else mine)
+        for name, mine, t, transposed in _pairs(ours, gpt2)
+    ]
+    copy_pairs(pairs, ours, gpt2, name="gpt2")

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -27,8 +26,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from transformer_tutorial.checks import check_optional_int
+from transformer_tutorial.checks import check_optional_int, check_type
 from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
+from transformer_tutorial.lm.gpt2_weights import check_models, copy_pairs
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.rope_scaling import REFUSED, RopeScaling, scaled_max_len
 
@@ -91,6 +91,7 @@ def _max_len(config: PretrainedConfig, scaling: RopeScaling | None, max_len: int
 
 
 def _require(config: LMConfig, required: dict, model: str) -> None:
+    check_type("config", config, LMConfig, "an LMConfig")
     wrong = [f"{k}={v!r}" for k, v in required.items() if getattr(config, k) != v]
     if wrong:
         raise ValueError(f"{model} has no equivalent of this config; set {', '.join(wrong)}")
@@ -152,6 +153,7 @@ def lm_config_from_llama(
     ``max_position_embeddings``, or for YaRN and llama3 ``factor ×
     original_max_position_embeddings`` if longer
     (:func:`~transformer_tutorial.lm.rope_scaling.scaled_max_len`)."""
+    check_type("config", config, (LlamaConfig, Qwen3Config), "a LlamaConfig or a Qwen3Config")
     qwen3 = isinstance(config, Qwen3Config)
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: ours maps only SwiGLU ('silu')")
@@ -228,44 +230,36 @@ def check_same_settings(
         raise ValueError("the two models differ in " + "; ".join(wrong))
 
 
-def _copy_llama(ours: LanguageModel, theirs: HFLlama, *, to_theirs: bool) -> None:
-    with torch.no_grad():
-        for name, mine, their in _llama_pairs(ours, theirs):
-            dst, src = (their, mine) if to_theirs else (mine, their)
-            if dst.shape != src.shape:
-                shapes = f"{tuple(dst.shape)} vs {tuple(src.shape)}"
-                raise ValueError(f"{name}: shapes differ, {shapes}")
-            dst.copy_(src)
+def _copy_llama(
+    ours: LanguageModel, theirs: HFLlama, kind: type, name: str, *, to_theirs: bool
+) -> None:
+    check_models(ours, theirs, kind, name=name)
+    pairs = [
+        (name, their, mine) if to_theirs else (name, mine, their)
+        for name, mine, their in _llama_pairs(ours, theirs)
+    ]
+    copy_pairs(pairs, ours, theirs, name=name)
 
 
 def copy_from_llama(ours: LanguageModel, llama: LlamaForCausalLM) -> None:
     """Copy a ``LlamaForCausalLM``'s weights into our :class:`LanguageModel` (same sizes,
     Llama's choices): every weight as it is, under the names of :data:`LLAMA_NAMES`."""
-    _check_kind(llama, LlamaForCausalLM)
-    _copy_llama(ours, llama, to_theirs=False)
+    _copy_llama(ours, llama, LlamaForCausalLM, "llama", to_theirs=False)
 
 
 def copy_to_llama(ours: LanguageModel, llama: LlamaForCausalLM) -> None:
     """Copy our :class:`LanguageModel`'s weights into a ``LlamaForCausalLM``: the inverse of
     :func:`copy_from_llama`."""
-    _check_kind(llama, LlamaForCausalLM)
-    _copy_llama(ours, llama, to_theirs=True)
+    _copy_llama(ours, llama, LlamaForCausalLM, "llama", to_theirs=True)
 
 
 def copy_from_qwen3(ours: LanguageModel, qwen3: Qwen3ForCausalLM) -> None:
     """Copy a ``Qwen3ForCausalLM``'s weights into our :class:`LanguageModel` (Qwen3's choices:
     QK-norm): as :func:`copy_from_llama`, with the ``q_norm`` and ``k_norm`` weights."""
-    _check_kind(qwen3, Qwen3ForCausalLM)
-    _copy_llama(ours, qwen3, to_theirs=False)
+    _copy_llama(ours, qwen3, Qwen3ForCausalLM, "qwen3", to_theirs=False)
 
 
 def copy_to_qwen3(ours: LanguageModel, qwen3: Qwen3ForCausalLM) -> None:
     """Copy our :class:`LanguageModel`'s weights into a ``Qwen3ForCausalLM``: the inverse of
     :func:`copy_from_qwen3`."""
-    _check_kind(qwen3, Qwen3ForCausalLM)
-    _copy_llama(ours, qwen3, to_theirs=True)
-
-
-def _check_kind(model: nn.Module, kind: type) -> None:
-    if not isinstance(model, kind):
-        raise TypeError(f"expected a {kind.__name__}, got {type(model).__name__}")
+    _copy_llama(ours, qwen3, Qwen3ForCausalLM, "qwen3", to_theirs=True)

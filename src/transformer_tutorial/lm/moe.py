@@ -29,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_tutorial.checks import check_bool, check_int, check_number
+from transformer_tutorial.checks import (
+    check_bool,
+    check_int,
+    check_number,
+    check_tensor,
+    check_type,
+)
 from transformer_tutorial.feed_forward import SwiGLU
 
 
@@ -56,7 +62,9 @@ def route(router_logits: Tensor, top_k: int, *, norm_topk_prob: bool) -> tuple[T
         router_logits ``(N, E)`` → weights ``(N, k)`` in the logits' dtype and expert ids
         ``(N, k)``, each row in decreasing weight.
     """
+    check_tensor("router_logits", router_logits, kind="float", dims=2, shape="(N, E)")
     check_experts(router_logits.size(-1), top_k)
+    check_bool("norm_topk_prob", norm_topk_prob)
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # (N, E)
     weights, experts = torch.topk(probs, top_k, dim=-1)  # (N, k) each
     if norm_topk_prob:
@@ -120,8 +128,12 @@ def group_limited_route(
         router_logits ``(N, E)``, correction_bias ``(E,)`` → weights ``(N, k)`` in float32 and
         expert ids ``(N, k)``, in no particular order.
     """
+    check_tensor("router_logits", router_logits, kind="float", dims=2, shape="(N, E)")
+    check_tensor("correction_bias", correction_bias, kind="float")
     N, E = router_logits.shape
     check_groups(E, top_k, n_group, topk_group)
+    check_bool("norm_topk_prob", norm_topk_prob)
+    check_number("routed_scaling_factor", routed_scaling_factor, low=0.0, low_open=True)
     if correction_bias.shape != (E,):
         raise ValueError(
             f"correction_bias must have shape ({E},), one per expert, got "
@@ -177,12 +189,15 @@ class Experts(nn.Module):
             nn.init.normal_(p, std=0.02)
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        self._check(x, experts, weights)
         k = experts.size(1)
         # 1) group: the (token, choice) pairs in order of expert id, then of token
         chosen = experts.flatten()  # (N·k,)
         order = chosen.argsort(stable=True)  # (N·k,)
         tokens = order // k  # the token of each sorted pair
         counts = torch.bincount(chosen, minlength=self.n_experts).tolist()  # one read back
+        if len(counts) > self.n_experts:
+            raise ValueError(f"experts must be expert ids 0 to {self.n_experts - 1}")
         # 2) each expert on its block of tokens (an empty block stays empty); unbind, not
         # gate_proj[e]: indexing each expert would give each its own full-size gradient
         blocks = x[tokens].split(counts)  # E blocks (n_e, D)
@@ -197,6 +212,18 @@ class Experts(nn.Module):
         # 3) weight each output and add it to its token
         out = out * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+
+    def _check(self, x: Tensor, experts: Tensor, weights: Tensor) -> None:
+        """Types and shapes only: nothing read back from the device."""
+        D = self.down_proj.size(1)
+        check_tensor("x", x, kind="float", dims=2, shape="(N, D)")
+        check_tensor("experts", experts, kind="int", dims=2, shape="(N, k)")
+        check_tensor("weights", weights, kind="float", dims=2, shape="(N, k)")
+        if x.size(1) != D or experts.size(0) != x.size(0) or weights.shape != experts.shape:
+            raise ValueError(
+                f"x {tuple(x.shape)}, experts {tuple(experts.shape)} and weights "
+                f"{tuple(weights.shape)} must agree: (N, D={D}), (N, k), (N, k)"
+            )
 
     def _expert(self, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
         """One expert's SwiGLU on its ``n`` tokens: ``(n, D)`` → ``(n, D)``."""
@@ -235,6 +262,7 @@ class MixtureOfExperts(nn.Module):
     ):
         super().__init__()
         check_experts(n_experts, top_k)
+        check_int("d_model", d_model, at_least=1)
         check_bool("norm_topk_prob", norm_topk_prob)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
@@ -244,9 +272,22 @@ class MixtureOfExperts(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_with_router_logits(x)[0]
 
+    def route(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
+        """:func:`route` with this layer's settings: weights ``(N, k)`` and expert ids
+        ``(N, k)``."""
+        return route(router_logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
+
+    def _flat(self, x: Tensor) -> Tensor:
+        """``x`` ``(..., D)`` checked and flattened to ``(N, D)``."""
+        D = self.router.in_features
+        check_tensor("x", x, kind="float", shape="(..., D)")
+        if x.dim() == 0 or x.size(-1) != D:
+            raise ValueError(f"x must be (..., D) with D = {D}, got shape {tuple(x.shape)}")
+        return x.reshape(-1, D)
+
     def forward_with_router_logits(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x`` ``(..., D)`` → the output ``(..., D)`` and the router's logits ``(N, E)``."""
-        flat = x.reshape(-1, x.size(-1))  # (N, D)
+        flat = self._flat(x)  # (N, D)
         logits = self.router(flat)  # (N, E)
         weights, experts = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
         return self.experts(flat, experts, weights).view(x.shape), logits
@@ -317,7 +358,7 @@ class DeepSeekMoE(MixtureOfExperts):
 
     def forward_with_router_logits(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x`` ``(..., D)`` → the output ``(..., D)`` and the router's logits ``(N, E)``."""
-        flat = x.reshape(-1, x.size(-1))  # (N, D)
+        flat = self._flat(x)  # (N, D)
         logits = F.linear(flat.float(), self.router.weight.float())  # (N, E), float32
         weights, experts = self.route(logits)  # (N, k) each
         out = self.experts(flat, experts, weights).view(x.shape)
@@ -337,6 +378,8 @@ def update_correction_bias(correction_bias: Tensor, counts: Tensor, step_size: f
     Shapes:
         correction_bias ``(E,)``; counts ``(E,)``, the tokens each expert received.
     """
+    check_tensor("correction_bias", correction_bias, kind="float", dims=1, shape="(E,)")
+    check_tensor("counts", counts, shape="(E,)")
     check_number("step_size", step_size, low=0.0)
     if counts.shape != correction_bias.shape or counts.dim() != 1:
         raise ValueError(
@@ -366,8 +409,7 @@ def load_balancing_loss(
     Shapes:
         router_logits: one ``(N, E)`` per sparse layer, ``N = B · T``; padding_mask ``(B, T)``.
     """
-    if not router_logits:
-        raise ValueError("router_logits is empty: the model has no mixture-of-experts layer")
+    _check_router_logits(router_logits, padding_mask)
     logits = torch.cat(list(router_logits))  # (L·N, E)
     n_layers, (rows, n_experts) = len(router_logits), router_logits[0].shape
     check_experts(n_experts, top_k)
@@ -376,15 +418,6 @@ def load_balancing_loss(
     if padding_mask is None:
         real = probs.new_ones(n_layers * rows)
     else:
-        if (
-            padding_mask.dtype != torch.bool
-            or padding_mask.dim() != 2
-            or padding_mask.numel() != rows
-        ):
-            raise ValueError(
-                f"padding_mask must be a bool (B, T) with B·T = {rows}, the router logits' rows "
-                f"(True at padding), got {padding_mask.dtype} {tuple(padding_mask.shape)}"
-            )
         real = (~padding_mask).flatten().float().repeat(n_layers)  # (L·N,)
     counted = real.sum()
     f = probs.new_zeros(n_experts).index_add_(0, chosen.flatten(), real.repeat_interleave(top_k))
@@ -404,8 +437,7 @@ def load_balancing_loss_per_layer(
         router_logits: one ``(N, E)`` per sparse layer; padding_mask ``(B, T)``, ``B·T = N``
         → losses ``(L,)``.
     """
-    if not router_logits:
-        raise ValueError("router_logits is empty: the model has no mixture-of-experts layer")
+    _check_router_logits(router_logits, padding_mask)
     return torch.stack(
         [
             load_balancing_loss((logits,), top_k, padding_mask=padding_mask)
@@ -415,18 +447,75 @@ def load_balancing_loss_per_layer(
 
 
 def tokens_per_expert(
-    router_logits: Sequence[Tensor], top_k: int, *, padding_mask: Tensor | None = None
+    router_logits: Sequence[Tensor],
+    top_k: int,
+    *,
+    padding_mask: Tensor | None = None,
+    layers: Sequence[MixtureOfExperts] | None = None,
 ) -> Tensor:
     """How many tokens each layer sends to each expert (padding not counted).
+
+    The experts are chosen as :func:`route` chooses them, Qwen3-MoE's softmax top-k, unless
+    ``layers`` gives the mixtures that produced the logits, in order: then each chooses as it
+    routes. A ``router="sigmoid"`` model's (:class:`DeepSeekMoE`) choice reads its correction
+    bias and groups, which its logits alone do not hold: pass its layers, or the counts are
+    another router's.
 
     Shapes:
         router_logits: one ``(N, E)`` per sparse layer; padding_mask ``(B, T)``, ``B·T = N``
         → counts ``(L, E)``, each row summing to ``k`` × the real tokens.
     """
+    _check_router_logits(router_logits, padding_mask)
+    check_experts(router_logits[0].size(-1), top_k)
+    if layers is None:
+        layers = [None] * len(router_logits)
+    elif not isinstance(layers, (list, tuple)) or len(layers) != len(router_logits):
+        raise ValueError(
+            f"layers must be a list of the {len(router_logits)} mixtures that produced "
+            f"router_logits, got {layers!r}"
+        )
     counts = []
-    for logits in router_logits:
-        _, chosen = route(logits, top_k, norm_topk_prob=False)  # (N, k)
+    for i, (logits, layer) in enumerate(zip(router_logits, layers, strict=True)):
+        if layer is None:
+            _, chosen = route(logits, top_k, norm_topk_prob=False)  # (N, k)
+        else:
+            check_type(f"layers[{i}]", layer, MixtureOfExperts, "a MixtureOfExperts")
+            if (layer.top_k, layer.router.out_features) != (top_k, logits.size(-1)):
+                raise ValueError(
+                    f"layers[{i}] routes each token to {layer.top_k} of "
+                    f"{layer.router.out_features} experts; its logits have {logits.size(-1)} "
+                    f"and top_k is {top_k}"
+                )
+            _, chosen = layer.route(logits)  # (N, k)
         if padding_mask is not None:
             chosen = chosen[~padding_mask.flatten()]
         counts.append(torch.bincount(chosen.flatten(), minlength=logits.size(-1)))
     return torch.stack(counts)
+
+
+def _check_router_logits(router_logits: object, padding_mask: object) -> None:
+    """One float ``(N, E)`` per sparse layer, all of one shape; ``padding_mask`` None or a bool
+    ``(B, T)`` with ``B·T = N``."""
+    if isinstance(router_logits, Tensor) or not isinstance(router_logits, (list, tuple)):
+        raise TypeError(
+            "router_logits must be a list or tuple of (N, E) tensors, one per sparse layer, "
+            f"got {type(router_logits).__name__}"
+        )
+    if not router_logits:
+        raise ValueError("router_logits is empty: the model has no mixture-of-experts layer")
+    for i, logits in enumerate(router_logits):
+        check_tensor(f"router_logits[{i}]", logits, kind="float", dims=2, shape="(N, E)")
+        if logits.shape != router_logits[0].shape:
+            raise ValueError(
+                f"router_logits[{i}] has shape {tuple(logits.shape)}, router_logits[0] "
+                f"{tuple(router_logits[0].shape)}: every layer routes the same N tokens among "
+                "the same E experts"
+            )
+    rows = router_logits[0].size(0)
+    if padding_mask is not None:
+        check_tensor("padding_mask", padding_mask, kind="bool", dims=2, shape="(B, T)")
+        if padding_mask.numel() != rows:
+            raise ValueError(
+                f"padding_mask must be (B, T) with B·T = {rows}, the router logits' rows (True "
+                f"at padding), got {tuple(padding_mask.shape)}"
+            )

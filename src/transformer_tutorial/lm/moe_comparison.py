@@ -24,12 +24,19 @@ from pathlib import Path
 import torch
 
 from transformer_tutorial import data
-from transformer_tutorial.checks import ArgumentParser, check_int, check_number, number_arg
+from transformer_tutorial.checks import (
+    ArgumentParser,
+    check_int,
+    check_number,
+    number_arg,
+    out_file_arg,
+    read_record,
+)
 from transformer_tutorial.lm.comparison import COMPARED as LM_COMPARED
 from transformer_tutorial.lm.comparison import prepare_data, samples, validation_loss
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
-from transformer_tutorial.lm.moe import load_balancing_loss, tokens_per_expert
+from transformer_tutorial.lm.moe import MixtureOfExperts, load_balancing_loss, tokens_per_expert
 from transformer_tutorial.provenance import finish_record, start_record
 
 DENSE = LM_COMPARED["llama"]  # chapter 17's Llama-style side: d_ff = 304
@@ -68,14 +75,17 @@ def active_parameters(model: LanguageModel) -> int:
 
 
 def expert_load(model: LanguageModel, batch: torch.Tensor) -> list[list[int]]:
-    """Tokens per expert ``(L, E)`` of ``batch`` in eval mode, padding not counted."""
+    """Tokens per expert ``(L, E)`` of ``batch`` in eval mode, padding not counted; each
+    mixture chooses as it routes (a ``router="sigmoid"`` one with its correction bias)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
         _, routers = model.forward_with_router_logits(batch)
     model.train(was_training)
     pad = batch == data.PAD_ID
-    return tokens_per_expert(routers, model.config.n_experts_per_token, padding_mask=pad).tolist()
+    mixtures = [layer.ff for layer in model.layers if isinstance(layer.ff, MixtureOfExperts)]
+    k = model.config.n_experts_per_token
+    return tokens_per_expert(routers, k, padding_mask=pad, layers=mixtures).tolist()
 
 
 def train_for_cpu(
@@ -100,6 +110,12 @@ def train_for_cpu(
     """
     check_number("cpu_seconds", cpu_seconds, low=0.0, low_open=True)
     check_int("evaluations", evaluations, at_least=1)
+    if model.config.router != "softmax":
+        raise ValueError(
+            f"router={model.config.router!r}: the load-balancing loss is the softmax router's "
+            "(Qwen3-MoE); DeepSeek-V3's sigmoid router balances by its correction bias "
+            "(lm.moe_balancing)"
+        )
     torch.manual_seed(seed)
     c = model.config
     lengths = [len(s) for s in train_ids]
@@ -172,11 +188,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(COMPARED))
     parser.add_argument("--cpu-seconds", type=number_arg(low=0.0, low_open=True), default=420.0)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=out_file_arg, required=True)
     parser.add_argument("--merge", type=Path, nargs="+", help="records to join into --out")
     args = parser.parse_args(argv)
     if args.merge:
-        runs = [json.loads(p.read_text()) for p in args.merge]
+        keys = ("command", "hardware", "runs")
+        runs = [read_record(parser, "--merge", p, keys) for p in args.merge]
         merged = {k: v for k, v in runs[0].items() if k not in ("runs", "command", "hardware")}
         merged["commands"] = [run["command"] for run in runs]  # one process per model
         merged["hardware"] = [run["hardware"] for run in runs]

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
 from torch import Tensor
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from transformer_tutorial.checks import check_type
 from transformer_tutorial.lm.config import QWEN3, LMConfig
+from transformer_tutorial.lm.gpt2_weights import check_models, copy_pairs
 from transformer_tutorial.lm.hf_weights import (
     LLAMA_MATCHING,
     LLAMA_NAMES,
     LLAMA_OUTSIDE,
-    _check_kind,
     _max_len,
     _require,
     _rope_settings,
@@ -77,6 +77,7 @@ def lm_config_from_qwen3_moe(config: Qwen3MoeConfig, *, max_len: int | None = No
     """Our :class:`LMConfig` for a ``Qwen3MoeConfig`` (``dropout``: its ``attention_dropout``);
     rope types and ``max_len`` as :func:`~transformer_tutorial.lm.hf_weights.
     lm_config_from_llama`."""
+    check_type("config", config, Qwen3MoeConfig, "a Qwen3MoeConfig")
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r}: ours maps only SwiGLU ('silu')")
     rope_base, rope_scaling, partial = _rope_settings(config.rope_parameters)
@@ -149,20 +150,15 @@ def _pairs(
 
 
 def _copy(ours: LanguageModel, theirs: Qwen3MoeForCausalLM, *, to_theirs: bool) -> None:
-    _check_kind(theirs, Qwen3MoeForCausalLM)
-    with torch.no_grad():
-        for name, mine, their in _pairs(ours, theirs):
-            stacked = mine[0] if len(mine) == 1 else torch.cat(mine, dim=1)  # (E, 2F, D)
-            if stacked.shape != their.shape:
-                shapes = f"{tuple(stacked.shape)} vs {tuple(their.shape)}"
-                raise ValueError(f"{name}: shapes differ, {shapes}")
-            if to_theirs:
-                their.copy_(stacked)
-            elif len(mine) == 1:
-                mine[0].copy_(their)
-            else:  # gate_up_proj (E, 2F, D) → gate_proj, up_proj (E, F, D) each
-                for part, piece in zip(mine, their.chunk(2, dim=1), strict=True):
-                    part.copy_(piece)
+    check_models(ours, theirs, Qwen3MoeForCausalLM)
+    pairs = []  # (their name, destination, source): gate_up_proj's halves are views of it
+    for name, mine, their in _pairs(ours, theirs):
+        parts = their.chunk(len(mine), dim=1) if len(mine) > 1 else (their,)
+        if len(parts) != len(mine):
+            raise ValueError(f"{name}: shapes differ, {tuple(their.shape)} cannot split in two")
+        for part, piece in zip(mine, parts, strict=True):
+            pairs.append((name, piece, part) if to_theirs else (name, part, piece))
+    copy_pairs(pairs, ours, theirs)
 
 
 def copy_from_qwen3_moe(ours: LanguageModel, theirs: Qwen3MoeForCausalLM) -> None:
@@ -182,17 +178,22 @@ def copy_block_to_qwen3_moe(ours: MixtureOfExperts, theirs: Qwen3MoeSparseMoeBlo
     """One layer's mapping: our :class:`~transformer_tutorial.lm.moe.MixtureOfExperts` into a
     ``Qwen3MoeSparseMoeBlock`` of the same sizes (router → ``gate``, ``gate_proj`` and
     ``up_proj`` stacked into ``gate_up_proj``)."""
-    _check_kind(theirs, Qwen3MoeSparseMoeBlock)
-    e = ours.experts
-    pairs = {
-        "gate.weight": ours.router.weight,
-        "experts.gate_up_proj": torch.cat([e.gate_proj, e.up_proj], dim=1),
-        "experts.down_proj": e.down_proj,
+    check_type("ours", ours, MixtureOfExperts, "a MixtureOfExperts")
+    check_type("theirs", theirs, Qwen3MoeSparseMoeBlock, "a Qwen3MoeSparseMoeBlock")
+    settings = {  # name: (ours, theirs)
+        "num_experts_per_tok": (ours.top_k, theirs.gate.top_k),
+        "norm_topk_prob": (ours.norm_topk_prob, theirs.gate.norm_topk_prob),
     }
-    with torch.no_grad():
-        for name, mine in pairs.items():
-            their = theirs.get_parameter(name)
-            if their.shape != mine.shape:
-                shapes = f"{tuple(mine.shape)} vs {tuple(their.shape)}"
-                raise ValueError(f"{name}: shapes differ, {shapes}")
-            their.copy_(mine)
+    wrong = [f"{k}: ours {a!r}, theirs {b!r}" for k, (a, b) in settings.items() if a != b]
+    if wrong:
+        raise ValueError("the two blocks differ in " + "; ".join(wrong))
+    e, gate_up = ours.experts, theirs.get_parameter("experts.gate_up_proj")
+    pairs = [
+        ("gate.weight", theirs.get_parameter("gate.weight"), ours.router.weight),
+        *(
+            ("experts.gate_up_proj", half, mine)  # gate first
+            for half, mine in zip(gate_up.chunk(2, dim=1), (e.gate_proj, e.up_proj), strict=True)
+        ),
+        ("experts.down_proj", theirs.get_parameter("experts.down_proj"), e.down_proj),
+    ]
+    copy_pairs(pairs, ours, theirs)
