@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from helpers import raises
+from helpers import bad_command_line, raises
 from transformer_tutorial import data
 from transformer_tutorial.lm.comparison import (
     COMPARED,
@@ -101,3 +101,52 @@ def test_records_merge(tmp_path):
 )
 def test_bad_input_is_refused(call, error, phrase):
     raises(call, error, phrase)
+
+
+# --- the command line (issue 42): a bad flag is one line and exit status 2, never a traceback --
+
+
+def cli_cases(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "garbled.json").write_text("{not json")
+    (tmp_path / "other.json").write_text('{"command": []}')
+    out = str(tmp_path / "out.json")
+    return {
+        "no --model": (["--out", out], "error: --model is required unless --merge is given"),
+        "--merge of a missing file": (
+            ["--merge", str(tmp_path / "missing.json"), "--out", out],
+            "error: argument --merge: cannot read",
+        ),
+        "--merge of a file that is not JSON": (
+            ["--merge", str(tmp_path / "garbled.json"), "--out", out],
+            "error: argument --merge: cannot read",
+        ),
+        "--merge of a JSON list": (
+            ["--merge", str(tmp_path / "list.json"), "--out", out],
+            "error: argument --merge:",
+        ),
+        "--merge of another record": (
+            ["--merge", str(tmp_path / "other.json"), "--out", out],
+            "error: argument --merge:",
+        ),
+        "--out a folder": (
+            ["--model", "gpt2", "--out", str(tmp_path)],
+            "error: argument --out:",
+        ),
+    }
+
+
+CLI_NAMES = [
+    "no --model",
+    "--merge of a missing file",
+    "--merge of a file that is not JSON",
+    "--merge of a JSON list",
+    "--merge of another record",
+    "--out a folder",
+]
+
+
+@pytest.mark.parametrize("name", CLI_NAMES)
+def test_a_bad_flag_is_one_line_and_exit_status_2(capsys, tmp_path, name):
+    argv, line = cli_cases(tmp_path)[name]
+    bad_command_line(capsys, main, argv, line)

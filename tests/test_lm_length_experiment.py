@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import raises
+from helpers import bad_command_line, raises
 from transformer_tutorial.lm.length_experiment import (
     FINE_TUNED,
     MULTIPLES,
@@ -20,6 +20,7 @@ from transformer_tutorial.lm.length_experiment import (
     experiment_config,
     load_length_record,
     loss_per_position,
+    main,
     token_stream,
 )
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
@@ -72,3 +73,34 @@ def test_the_shipped_record_loads_and_is_the_results_copy():
     assert record["fine_tune_seconds"] == pytest.approx(
         max(r["train_seconds"] for r in record["fine_tunes"].values()), rel=0.05
     )
+
+
+# --- the command line (issue 42): a bad flag is one line and exit status 2, never a traceback --
+
+
+def a_state(tmp: Path) -> str:
+    (tmp / "base.pt").write_bytes(b"")
+    return str(tmp / "base.pt")
+
+
+LENGTH_CLI_PROBES = {  # name: (argv from tmp_path, the line)
+    "extend without the trained weights": (
+        lambda tmp: ["--stage", "extend", "--state", str(tmp / "no.pt"), "--out", str(tmp / "r")],
+        "error: argument --state:",
+    ),
+    "extend without the training stage's record": (
+        lambda tmp: ["--stage", "extend", "--state", a_state(tmp), "--out", str(tmp / "r.json")],
+        "error: argument --out: cannot read",
+    ),
+    "--out a folder": (
+        lambda tmp: ["--stage", "train", "--state", str(tmp / "s.pt"), "--out", str(tmp)],
+        "error: argument --out:",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"), LENGTH_CLI_PROBES.values(), ids=LENGTH_CLI_PROBES.keys()
+)
+def test_a_bad_flag_is_one_line_and_exit_status_2(capsys, tmp_path, argv, line):
+    bad_command_line(capsys, main, argv(tmp_path), line)

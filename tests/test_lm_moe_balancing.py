@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from helpers import raises
+from helpers import bad_command_line, raises
 from transformer_tutorial.lm import moe_balancing
 from transformer_tutorial.lm.moe_balancing import (
     STEP_SIZES,
@@ -72,3 +72,11 @@ def test_main_writes_a_record(tmp_path, monkeypatch):
     moe_balancing.main(["--out", str(tmp_path / "r.json")])
     record = json.loads((tmp_path / "r.json").read_text())
     assert record["runs"]["without"]["steps"] == 2 and "finished_at" in record
+
+
+def test_a_bad_flag_is_one_line_and_exit_status_2(capsys, tmp_path):
+    """An --out that is a folder was found only when the record was written, after the runs."""
+    bad_command_line(
+        capsys, moe_balancing.main, ["--out", str(tmp_path)], "error: argument --out:"
+    )
+    bad_command_line(capsys, moe_balancing.main, [], "error: the following arguments are required")

@@ -4,12 +4,15 @@ bad names are refused."""
 
 from __future__ import annotations
 
-from helpers import raises
+import pytest
+
+from helpers import bad_command_line, raises
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.speculative_comparison import (
     KS,
     comparison_config,
     load_comparison_record,
+    main,
 )
 
 
@@ -32,3 +35,39 @@ def test_the_shipped_record_holds_both_runs_and_the_measurement():
 
 def test_bad_names_are_refused():
     raises(lambda: comparison_config("huge", 10), ValueError, "name must be one of")
+
+
+# --- the command line (issue 42): a bad flag is one line and exit status 2, never a traceback --
+
+
+def runs_without_weights(tmp):
+    for name in ("draft", "target"):
+        (tmp / f"{name}.json").write_text('{"command": [], "run": {}}')
+    return tmp
+
+
+SPECULATIVE_CLI_PROBES = {  # name: (argv from tmp_path, the line)
+    "no --model": (
+        lambda tmp: ["--out", str(tmp / "o.json")],
+        "error: --model is required unless --measure is given",
+    ),
+    "--measure of a folder without the runs": (
+        lambda tmp: ["--measure", str(tmp), "--out", str(tmp / "o.json")],
+        "error: argument --measure: cannot read",
+    ),
+    "--measure of runs without weights": (
+        lambda tmp: ["--measure", str(runs_without_weights(tmp)), "--out", str(tmp / "o.json")],
+        "error: argument --measure:",
+    ),
+    "--out a folder": (
+        lambda tmp: ["--model", "draft", "--out", str(tmp)],
+        "error: argument --out:",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"), SPECULATIVE_CLI_PROBES.values(), ids=SPECULATIVE_CLI_PROBES.keys()
+)
+def test_a_bad_flag_is_one_line_and_exit_status_2(capsys, tmp_path, argv, line):
+    bad_command_line(capsys, main, argv(tmp_path), line)

@@ -32,6 +32,8 @@ from transformer_tutorial.checks import (
     check_optional_int,
     int_arg,
     number_arg,
+    out_file_arg,
+    read_record,
 )
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
@@ -180,16 +182,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", choices=sorted(COMPARED))
     parser.add_argument("--seconds", type=number_arg(low=0.0, low_open=True), default=600.0)
     parser.add_argument("--seed", type=int_arg(at_least=0), default=0)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=out_file_arg, required=True)
     parser.add_argument("--merge", type=Path, nargs="+", help="records to join into --out")
     args = parser.parse_args(argv)
     if args.merge:
-        runs = [json.loads(p.read_text()) for p in args.merge]
+        runs = [read_record(parser, "--merge", p, ("command", "runs")) for p in args.merge]
         merged = {k: v for k, v in runs[0].items() if k not in ("runs", "command")}
         merged["commands"] = [run["command"] for run in runs]  # one process per model
         merged["runs"] = {k: v for run in runs for k, v in run["runs"].items()}
         args.out.write_text(json.dumps(merged, indent=1) + "\n")
         return
+    if args.model is None:
+        parser.error("--model is required unless --merge is given")
     record = {
         **start_record("transformer_tutorial.lm.comparison"),
         "seconds": args.seconds,

@@ -27,7 +27,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformer_tutorial import data
-from transformer_tutorial.checks import ArgumentParser, check_int, int_arg, number_arg
+from transformer_tutorial.checks import (
+    ArgumentParser,
+    check_int,
+    int_arg,
+    number_arg,
+    out_file_arg,
+    read_record,
+)
 from transformer_tutorial.lm.comparison import COMPARED, prepare_data, train_for
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.model import LanguageModel
@@ -173,14 +180,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seconds", type=number_arg(low=0.0, low_open=True), default=900.0)
     parser.add_argument("--seed", type=int_arg(at_least=0), default=0)
     parser.add_argument("--state", type=Path, required=True, help="the trained weights (.pt)")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=out_file_arg, required=True)
     args = parser.parse_args(argv)
     command = ["python", "-m", "transformer_tutorial.lm.length_experiment", *sys.argv[1:]]
     if args.stage == "train":
         record = {"train_command": command, "train_provenance": _provenance(), "seed": args.seed}
         record["base"] = train_base(args.state, args.seconds, args.seed)
     else:
-        record = json.loads(args.out.read_text())  # the training stage's record
+        if not args.state.is_file():
+            parser.error(f"argument --state: {str(args.state)!r} is not a file (train first)")
+        record = read_record(parser, "--out", args.out, ("base",))  # the training stage's
         record |= {"extend_command": command, "extend_provenance": _provenance()}
         record["fine_tune_seconds"] = args.seconds
         record |= extend(args.state, args.seconds, args.seed)

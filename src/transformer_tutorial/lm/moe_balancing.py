@@ -22,11 +22,10 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 from importlib import resources
-from pathlib import Path
 
 import torch
 
-from transformer_tutorial.checks import ArgumentParser, check_int, check_number
+from transformer_tutorial.checks import ArgumentParser, check_int, check_number, out_file_arg
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
 from transformer_tutorial.lm.moe import DeepSeekMoE, update_correction_bias
@@ -166,7 +165,7 @@ def load_balancing_record() -> dict:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=out_file_arg, required=True)
     args = parser.parse_args(argv)
     record = start_record("transformer_tutorial.lm.moe_balancing")
     start = time.process_time()

@@ -25,7 +25,13 @@ from pathlib import Path
 import torch
 
 from transformer_tutorial import data
-from transformer_tutorial.checks import ArgumentParser, int_arg, number_arg
+from transformer_tutorial.checks import (
+    ArgumentParser,
+    int_arg,
+    number_arg,
+    out_file_arg,
+    read_record,
+)
 from transformer_tutorial.lm.comparison import COMPARED as LM_COMPARED
 from transformer_tutorial.lm.comparison import prepare_data, train_for
 from transformer_tutorial.lm.config import LMConfig
@@ -120,11 +126,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", choices=sorted(COMPARED))
     parser.add_argument("--seconds", type=number_arg(low=0.0, low_open=True), default=200.0)
     parser.add_argument("--seed", type=int_arg(at_least=0), default=0)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=out_file_arg, required=True)
     parser.add_argument("--measure", type=Path, help="folder of the two runs: measure, merge")
     args = parser.parse_args(argv)
     if args.measure:
-        runs = {n: json.loads((args.measure / f"{n}.json").read_text()) for n in COMPARED}
+        runs = {
+            n: read_record(parser, "--measure", args.measure / f"{n}.json", ("command", "run"))
+            for n in COMPARED
+        }
+        missing = [n for n in COMPARED if not (args.measure / f"{n}.pt").is_file()]
+        if missing:
+            parser.error(f"argument --measure: {str(args.measure)!r} lacks {missing} .pt weights")
         record = {
             "commands": [run["command"] for run in runs.values()],
             "runs": {n: run["run"] for n, run in runs.items()},
@@ -142,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         record["hardware"]["load_average_at_end"] = load_average()
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         return
+    if args.model is None:
+        parser.error("--model is required unless --measure is given")
     record = {
         "command": [
             "python",
