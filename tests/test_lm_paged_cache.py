@@ -211,3 +211,54 @@ def test_caches_hold_the_activations_dtype_of_a_quantized_bf16_model():
     for cache in (preallocated_cache(model, 2), paged_cache(model, 2, n_blocks=6, block_size=4)):
         assert cache.layers[0].nbytes > 0
         assert torch.equal(greedy_with_cache(model, prompt, 8, cache), want)
+
+
+# --- API probes (issue 42): each bad call, and what its error must say ------------------------
+
+PAGED_PROBES = {
+    "paged_cache: a dict for the model": (
+        lambda m: paged_cache({}, 1, n_blocks=4, block_size=4),
+        TypeError,
+        "model must be a LanguageModel, got dict",
+    ),
+    "paged_cache: allocator a str": (
+        lambda m: paged_cache(m, 1, n_blocks=4, block_size=4, allocator="pool"),
+        TypeError,
+        "allocator must be a BlockAllocator or None, got str",
+    ),
+    "paged_cache: allocator of other blocks": (
+        lambda m: paged_cache(m, 1, n_blocks=4, block_size=4, allocator=BlockAllocator(8, 2)),
+        ValueError,
+        "allocator cuts 8 blocks of 2 positions; the pools have n_blocks=4 of block_size=4",
+    ),
+    "preallocated_cache: a dict for the model": (
+        lambda m: preallocated_cache({}, 1),
+        TypeError,
+        "model must be a LanguageModel, got dict",
+    ),
+    "reserve: length -1": (
+        lambda m: BlockAllocator(4, 4).reserve(0, -1),
+        ValueError,
+        "length must be at least 0, got -1",
+    ),
+    "reserve: length a float": (
+        lambda m: BlockAllocator(4, 4).reserve(0, 2.5),
+        TypeError,
+        "length must be an int, got 2.5",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), PAGED_PROBES.values(), ids=PAGED_PROBES.keys()
+)
+def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
+    raises(lambda: call(_model("llama")), error, phrase)
+
+
+def test_a_refused_reservation_takes_no_block():
+    """A sequence that outgrew the pool kept the blocks it had taken before the pool ran out."""
+    allocator = BlockAllocator(2, 2)
+    allocator.reserve(0, 2)
+    raises(lambda: allocator.reserve(1, 8), RuntimeError, "all 2 blocks of 2 positions")
+    assert allocator.free == [1] and allocator.tables == {0: [0]}

@@ -96,3 +96,13 @@ def test_prompt_lookup_stops_at_eos():
 )
 def test_bad_input_is_refused_by_name(call, phrase):
     raises(lambda: call(_model(LLAMA)), ValueError, phrase)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[1.5, 2.0, 1.5], "abcab", torch.tensor([[1, 2, 1]]), [True, False, True]],
+    ids=["floats", "a str", "a 2-d tensor", "bools"],
+)
+def test_lookup_proposals_takes_a_list_of_token_ids_only(ids):
+    """Floats and characters were copied as proposals; a 2-d tensor gave [] without a word."""
+    raises(lambda: lookup_proposals(ids, 2), TypeError, "ids must be a list of int token ids")

@@ -18,12 +18,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from transformer_tutorial.checks import check_int, check_optional_int
+from transformer_tutorial.checks import check_int, check_optional_int, check_type
 from transformer_tutorial.lm.cache import LMCache
 from transformer_tutorial.lm.model import LanguageModel
 
 
 def _check_grouped(model: LanguageModel) -> None:
+    check_type("model", model, LanguageModel, "a LanguageModel")
     if model.config.attention != "gqa":
         raise ValueError(
             f"these caches hold chapter 16's keys and values: the model needs attention='gqa', "
@@ -37,6 +38,7 @@ def preallocated_cache(
     """An empty :class:`LMCache` whose layers' buffers hold ``max_len`` positions (default the
     model's), allocated now in the model's dtype and device: ``model.new_cache(batch_size,
     "preallocated", max_len=max_len)``."""
+    check_type("model", model, LanguageModel, "a LanguageModel")
     return model.new_cache(batch_size, "preallocated", max_len=max_len)
 
 
@@ -52,15 +54,18 @@ class BlockAllocator:
         self.tables: dict[int, list[int]] = {}  # sequence → its blocks, in order
 
     def reserve(self, seq: int, length: int) -> list[int]:
-        """The block table of ``seq``, grown to cover ``length`` positions."""
-        table = self.tables.setdefault(seq, [])
-        while len(table) * self.block_size < length:
-            if not self.free:
-                raise RuntimeError(
-                    f"all {self.n_blocks} blocks of {self.block_size} positions are in use: "
-                    f"build the cache with more n_blocks"
-                )
-            table.append(self.free.pop())
+        """The block table of ``seq``, grown to cover ``length`` positions; an error, with
+        nothing taken, when the free blocks do not cover it."""
+        check_int("length", length, at_least=0)
+        table = self.tables.get(seq, [])
+        needed = -(-length // self.block_size) - len(table)  # blocks still to take
+        if needed > len(self.free):
+            raise RuntimeError(
+                f"all {self.n_blocks} blocks of {self.block_size} positions are in use: "
+                f"build the cache with more n_blocks"
+            )
+        table = self.tables.setdefault(seq, table)
+        table.extend(self.free.pop() for _ in range(needed))
         return table
 
     def release(self, seq: int) -> None:
@@ -168,7 +173,14 @@ def paged_cache(
     check_int("batch_size", batch_size, at_least=1)
     if model.config.window is not None:
         raise ValueError("the paged cache keeps every position: it takes no sliding window")
-    allocator = BlockAllocator(n_blocks, block_size) if allocator is None else allocator
+    if allocator is None:
+        allocator = BlockAllocator(n_blocks, block_size)
+    check_type("allocator", allocator, BlockAllocator, "a BlockAllocator or None")
+    if (allocator.n_blocks, allocator.block_size) != (n_blocks, block_size):
+        raise ValueError(
+            f"allocator cuts {allocator.n_blocks} blocks of {allocator.block_size} positions; "
+            f"the pools have n_blocks={n_blocks} of block_size={block_size}"
+        )
     weight = model.embed.weight  # the activations' dtype, even where linears are quantized
     layers = []
     for layer in model.layers:

@@ -31,6 +31,8 @@ def lookup_proposals(ids: Sequence[int], k: int, *, max_ngram: int = 3) -> list[
     copies do), so a loop of any period is proposed ``k`` tokens ahead."""
     check_int("k", k, at_least=0)
     check_int("max_ngram", max_ngram, at_least=1)
+    if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
+        raise TypeError(f"ids must be a list of int token ids (tensor.tolist()), got {ids!r:.60}")
     ids = list(ids)
     for n in range(min(max_ngram, len(ids) - 1), 0, -1):
         tail = ids[-n:]
