@@ -1,6 +1,9 @@
 """Chapter 26's experiment: training to a FLOP budget, batched translation, the baseline's
 FLOPs counted on the meta device, and the shipped record."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,8 +13,10 @@ from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.tuning.chat import add_chat_tokens, apply_chat_template, translation_chat
 from transformer_tutorial.tuning.sft import SFTBatch, pack_examples, pad_examples, sft_loss
 from transformer_tutorial.tuning.sft_run import (
+    RECORD_FILE,
     ROW_LEN,
     ROWS,
+    load_sft_record,
     sft_config,
     train_to_budget,
     training_loss,
@@ -74,3 +79,15 @@ def test_batched_translation_equals_one_at_a_time(setup):
     batched = translate(model, tokenizer, sources)
     alone = [translate(model, tokenizer, [s], batch_size=1)[0] for s in sources]
     assert batched == alone and all(isinstance(h, str) for h in batched)
+
+
+def test_shipped_record_is_the_results_file():
+    shipped = load_sft_record()
+    results = Path(__file__).parents[1] / "results" / "sft_translation" / "record.json"
+    assert shipped == json.loads(results.read_text())
+    assert RECORD_FILE.endswith(".json")
+    ours, baseline = shipped, shipped["baseline"]
+    # equal compute: stopped on the baseline's FLOPs, at most one step past them
+    assert ours["stopped_by"] == "flops" and baseline["flops"] <= ours["flops"]
+    assert ours["flops"] - baseline["flops"] < ours["flops"] / ours["steps"]
+    assert "--baseline" in ours["command"] and ours["test2016"]["sentences"] == 1000
