@@ -16,7 +16,13 @@ from helpers import raises
 from transformer_tutorial import data
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.tuning import dpo_run
-from transformer_tutorial.tuning.chat import add_chat_tokens, chat_tokens
+from transformer_tutorial.tuning.chat import (
+    add_chat_tokens,
+    apply_chat_template,
+    chat_tokens,
+    translation_chat,
+)
+from transformer_tutorial.tuning.sft import pad_examples, sft_loss
 
 PAIRS = [
     ("Ein Hund läuft.", "A dog runs."),
@@ -93,10 +99,20 @@ def test_dpo_raises_the_margin_on_its_pairs(tokenizer):
 
 
 def test_fine_tune_lowers_the_loss(tokenizer):
+    """Chapter 26's answer-only loss on the pairs, before and after 2 seconds of fine-tuning."""
     model = small_model(tokenizer, seed=3)
-    first = dpo_run.fine_tune(model, tokenizer, PAIRS, seconds=0.05, lr=1e-2)
-    later = dpo_run.fine_tune(model, tokenizer, PAIRS, seconds=1.0, lr=1e-2)
-    assert later["last_loss"] < first["last_loss"]
+    batch = pad_examples(
+        [apply_chat_template(tokenizer, translation_chat(de, en)) for de, en in PAIRS]
+    )
+
+    def loss() -> float:
+        with torch.no_grad():
+            return sft_loss(model(batch.ids), batch.labels).item()
+
+    before = loss()
+    done = dpo_run.fine_tune(model, tokenizer, PAIRS, seconds=2.0, lr=1e-2)
+    assert done["steps"] >= 1 and done["examples"] == 4 * done["steps"]
+    assert loss() < before - 0.5
 
 
 def test_shipped_record_is_the_committed_one():
