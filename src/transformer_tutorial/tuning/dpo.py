@@ -14,7 +14,8 @@ chosen rows, then the rejected rows, padded on the right, with a completion mask
 :func:`implicit_rewards` and :class:`RewardStats` the rewards, their margin and accuracy TRL
 logs. :func:`trl_dpo_trainer` builds TRL's own ``DPOTrainer`` on ``transformers`` Llamas with
 our weights copied in, the reference the chapter and the tests compare against (it needs the
-``[trl]`` extra; nothing else here does).
+``[trl]`` extra; nothing else here does); :class:`FusedLogProbs` lets TRL's loss code run on our
+model's log-probabilities in its dtype (TRL's fused LM head works in float32).
 
 Shapes: ``B`` pairs; ids and masks ``(2B, T)`` (chosen rows first); log-probabilities, rewards
 and losses ``(B,)``.
