@@ -297,5 +297,11 @@ def test_bad_arguments_are_refused_by_name():
         grpo_loss(zero, torch.zeros(2, 4), torch.zeros(2), mask)
     with pytest.raises(TypeError, match="completion_mask"):
         grpo_loss(zero, zero, torch.zeros(2), mask.long())
+    # Shapes that broadcast: one advantage for every row, a reference of (T,) or (B, 1).
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(zero, zero, torch.ones(1), mask)
+    for ref in (torch.zeros(3), torch.zeros(2, 1)):
+        with pytest.raises(ValueError, match="ref_logprobs"):
+            grpo_loss(zero, zero, torch.zeros(2), mask, ref_logprobs=ref, beta=0.1)
     with pytest.raises(ValueError, match="epsilon_high"):
         clipped_surrogate(zero, zero, torch.zeros(2), epsilon_high=-0.1)

@@ -35,14 +35,15 @@ from transformer_tutorial.lm.sampling import generate
 
 # How group_advantages divides: by each group's standard deviation (GRPO), by the whole
 # batch's (Hu et al.'s REINFORCE++ style), or not at all (Dr. GRPO: the division favours
-# groups whose rewards barely differ). TRL's scale_rewards.
+# groups whose rewards barely differ, with a 0/1 reward the prompts nearly always solved or
+# nearly always failed). TRL's scale_rewards.
 SCALE_REWARDS = ("group", "batch", "none")
 # How grpo_loss turns per-token losses into one number (TRL's loss_type): "grpo" averages each
 # completion's tokens, then the completions (a long answer's tokens weigh less); "bnpo" and
 # "dapo" average all the batch's tokens at once (they differ in TRL only when one generation
-# batch is split over several gradient-accumulation steps: dapo then divides by the whole
-# generation batch's tokens); "dr_grpo" divides the sum by B times a fixed
-# max_completion_length, so no length is favoured.
+# batch is split, over gradient-accumulation steps or processes: "dapo" then divides by the
+# whole generation batch's tokens, "bnpo" by each piece's); "dr_grpo" divides the sum by B
+# times a fixed max_completion_length, so no length is favoured.
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 STD_EPS = 1e-4  # added to the standard deviation, as TRL does
 
@@ -210,15 +211,21 @@ def grpo_loss(
     check_bool("kl_bias_correction", kl_bias_correction)
     check_tensor("completion_mask", completion_mask, kind="bool", dims=2, shape="(B, T)")
     check_tensor("advantages", advantages, kind="float", dims=1, shape="(B,)")
-    for name, value in (("logprobs", logprobs), ("old_logprobs", old_logprobs)):
+    if advantages.size(0) != completion_mask.size(0):  # one would broadcast to every row
+        raise ValueError(
+            f"advantages must hold one value a completion, {completion_mask.size(0)}, got "
+            f"{advantages.size(0)}"
+        )
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs, the reference model's log-probabilities")
+    tokens = [("logprobs", logprobs), ("old_logprobs", old_logprobs)]
+    for name, value in tokens + ([("ref_logprobs", ref_logprobs)] if beta > 0 else []):
         check_tensor(name, value, kind="float", dims=2, shape="(B, T)")
         if value.shape != completion_mask.shape:
             raise ValueError(
                 f"{name} must have completion_mask's shape {tuple(completion_mask.shape)}, "
                 f"got {tuple(value.shape)}"
             )
-    if beta > 0 and ref_logprobs is None:
-        raise ValueError("beta > 0 needs ref_logprobs, the reference model's log-probabilities")
     check_optional_int("max_completion_length", max_completion_length, at_least=1)
     per_token = clipped_surrogate(
         logprobs, old_logprobs, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high
