@@ -322,6 +322,14 @@ def test_bad_input_refused():
     )
     raises(lambda: dpo_loss(x, x, x, x, loss_type="ipo"), ValueError, "chosen_lengths")
     raises(lambda: dpo_loss(x, x[:1], x, x), ValueError, "policy_rejected")
+    for lengths in (torch.ones(1), torch.ones(2, 1)):  # shapes that broadcast
+        raises(
+            lambda lengths=lengths: dpo_loss(
+                x, x, x, x, loss_type="ipo", chosen_lengths=lengths, rejected_lengths=x + 1
+            ),
+            ValueError,
+            "chosen_lengths",
+        )
     raises(lambda: dpo_loss(x.long(), x, x, x), TypeError, "policy_chosen")
     raises(lambda: collate_preferences([], pad_id=0), ValueError, "examples")
     raises(lambda: collate_preferences([([1], [], [2])], pad_id=0), ValueError, "examples[0]")

@@ -196,6 +196,16 @@ def dpo_loss(
     if loss_type == "ipo":
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError("loss_type='ipo' needs chosen_lengths and rejected_lengths")
+        for name, value in (
+            ("chosen_lengths", chosen_lengths),
+            ("rejected_lengths", rejected_lengths),
+        ):
+            check_tensor(name, value, dims=1, shape="(B,)")
+            if value.shape != policy_chosen.shape:  # (1,) or (B, 1) would broadcast
+                raise ValueError(
+                    f"{name} must have policy_chosen's shape {tuple(policy_chosen.shape)}, got "
+                    f"{tuple(value.shape)}"
+                )
         delta = chosen_ratios / chosen_lengths.clamp(min=1) - rejected_ratios / (
             rejected_lengths.clamp(min=1)
         )
