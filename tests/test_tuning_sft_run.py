@@ -13,7 +13,7 @@ from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.tuning.chat import add_chat_tokens, apply_chat_template, translation_chat
 from transformer_tutorial.tuning.sft import SFTBatch, pack_examples, pad_examples, sft_loss
 from transformer_tutorial.tuning.sft_run import (
-    RECORD_FILE,
+    RECORD_FILES,
     ROW_LEN,
     ROWS,
     load_sft_record,
@@ -81,13 +81,20 @@ def test_batched_translation_equals_one_at_a_time(setup):
     assert batched == alone and all(isinstance(h, str) for h in batched)
 
 
-def test_shipped_record_is_the_results_file():
-    shipped = load_sft_record()
-    results = Path(__file__).parents[1] / "results" / "sft_translation" / "record.json"
+@pytest.mark.parametrize("budget, name", [(1, "record.json"), (4, "record_x4.json")])
+def test_shipped_records_are_the_results_files(budget, name):
+    shipped = load_sft_record(budget)
+    results = Path(__file__).parents[1] / "results" / "sft_translation" / name
     assert shipped == json.loads(results.read_text())
-    assert RECORD_FILE.endswith(".json")
+    assert RECORD_FILES[budget].endswith(".json")
     ours, baseline = shipped, shipped["baseline"]
     # equal compute: stopped on the baseline's FLOPs, at most one step past them
     assert ours["stopped_by"] == "flops" and baseline["flops"] <= ours["flops"]
     assert ours["flops"] - baseline["flops"] < ours["flops"] / ours["steps"]
+    assert baseline["steps"] == 600 * budget
     assert "--baseline" in ours["command"] and ours["test2016"]["sentences"] == 1000
+
+
+def test_unknown_budget_is_refused():
+    with pytest.raises(ValueError, match=r"budget must be one of \[1, 4\], got 2"):
+        load_sft_record(2)

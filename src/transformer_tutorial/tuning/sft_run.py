@@ -13,7 +13,7 @@ step's forward and backward) reach the baseline's: a finished ``python -m
 transformer_tutorial.train`` run, whose steps' FLOPs :func:`translator_flops` counts on the
 ``meta`` device (shapes only, nothing computed) from the batches that run trained on.
 ``python -m transformer_tutorial.tuning.sft_run --baseline RUN_DIR --out FILE`` writes the
-record; the chapter reads the copy shipped with the package (:func:`load_sft_record`).
+record; the chapter reads the copies shipped with the package (:func:`load_sft_record`).
 
 Shapes: packed rows ``(ROWS, ROW_LEN)``; prompts ``(B, T0)`` of equal length when decoding.
 """
@@ -61,7 +61,9 @@ SIZES = dict(d_model=128, n_heads=4, n_kv_heads=2, n_layers=4, d_ff=344, max_len
 ROW_LEN = 128  # tokens a packed row
 ROWS = 8  # rows a step: 1,024 tokens, as the baseline's batches of 1,000
 MAX_NEW_TOKENS = 80  # an answer's budget when decoding
-RECORD_FILE = "sft_translation_run.json"  # the committed run's record, shipped with the package
+# The committed runs' records, shipped with the package, by their budget: the FLOPs of 600 and
+# of 2,400 steps of chapter 10's CPU translator (its own run, and four times it).
+RECORD_FILES = {1: "sft_translation_run.json", 4: "sft_translation_x4_run.json"}
 
 
 def sft_config(vocab_size: int, *, dropout: float = 0.0) -> LMConfig:
@@ -230,9 +232,12 @@ def translator_flops(run_dir: Path, steps: int, *, config: str = BASELINE, seed:
     return total
 
 
-def load_sft_record() -> dict:
-    """The committed run's record shipped with the package (see ``results/sft_translation``)."""
-    text = resources.files("transformer_tutorial").joinpath(RECORD_FILE).read_text()
+def load_sft_record(budget: int = 1) -> dict:
+    """A committed run's record shipped with the package (see ``results/sft_translation``):
+    ``budget`` 1 for the FLOPs of chapter 10's own 600 steps, 4 for four times them."""
+    if budget not in RECORD_FILES:
+        raise ValueError(f"budget must be one of {sorted(RECORD_FILES)}, got {budget!r}")
+    text = resources.files("transformer_tutorial").joinpath(RECORD_FILES[budget]).read_text()
     return json.loads(text)
 
 
