@@ -157,6 +157,13 @@ def print_speculative_table(spec: dict) -> None:
         )
     for r in spec["rows"]:
         print(f"  {r['draft']}: {r['draft_is']}")
+    c = spec.get("copy_task")
+    if c:
+        print(
+            f"prompt lookup on a model trained to copy ({c['rows_copied']}/{c['rows']} rows "
+            f"copied): {c['target_calls']} target calls for {c['new_tokens']} tokens, speed-up "
+            f"{c['speedup']:.2f} (goal >= 1.5)  {_same(c['same_tokens'])}"
+        )
 
 
 def print_paged_table(paged: dict) -> None:

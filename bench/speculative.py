@@ -19,6 +19,11 @@ what they are, bracket the speed-up:
   :data:`LOOKUP_K` a round). A proposal costs nothing; it is accepted where the target repeats
   text it has produced, as these random weights do once they fall into a loop.
 
+Then prompt lookup where it is meant to pay, on text that repeats: chapter 23's small Llama-style
+model trained to copy (:func:`copy_model`: 16 random tokens out of 64, then the same 16), asked
+for 16 tokens after 16 held-out ones, :data:`COPY_ROWS` rows one after another, plain greedy
+decoding against prompt lookup (tokens asserted equal first).
+
 Greedy speculative decoding gives the target's greedy tokens whatever the draft proposes: the
 tokens are asserted equal to plain decoding's before any timing.
 """
@@ -29,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from bench.cli import Settings
@@ -51,6 +57,9 @@ DRAFTS = {
     "prompt_lookup": "no model: what followed the text's last 3-gram (or 2, 1) the time before",
 }
 LOOKUP_K = 8  # tokens prompt lookup proposes a round at most: they cost nothing to propose
+COPY_V, COPY_L = 64, 16  # the copy task: vocabulary, length of each half
+COPY_STEPS = {"quick": 20, "full": 300}  # its training steps (300: every held-out row copied)
+COPY_ROWS = 16  # held-out rows decoded in each timed run
 
 
 def copy_draft(target: LanguageModel, width: int) -> LanguageModel:
@@ -97,6 +106,70 @@ def _fns(
         fns[name] = lambda d=draft: speculative_generate(target, d, prompt, n, k=k, greedy=True)
     fns["prompt_lookup"] = lambda: prompt_lookup_generate(target, prompt, n, k=LOOKUP_K)
     return fns
+
+
+def copy_model(steps: int, device: torch.device) -> LanguageModel:
+    """Chapter 23's copy model: a small Llama-style model trained ``steps`` steps (AdamW, batch
+    32) to repeat 16 random tokens of 64."""
+    torch.manual_seed(0)
+    config = LMConfig(
+        vocab_size=COPY_V, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_len=2 * COPY_L,
+        dropout=0.0, **LLAMA,
+    )  # fmt: skip
+    model = LanguageModel(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, COPY_V, (32, COPY_L), generator=gen)
+        ids = torch.cat([x, x], dim=1).to(device)  # (32, 2L)
+        logits = model(ids)[:, COPY_L - 1 : -1]  # the predictions of the second half
+        loss = F.cross_entropy(logits.reshape(-1, COPY_V), ids[:, COPY_L:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def copy_rows(s: Settings, device: torch.device) -> dict:
+    """Prompt lookup on the copy model: plain greedy and lookup timed in turns."""
+    steps = COPY_STEPS["quick" if s.quick else "full"]
+    model = copy_model(steps, device)
+    gen = torch.Generator().manual_seed(99)
+    prompts = [torch.randint(0, COPY_V, (1, COPY_L), generator=gen).to(device)]
+    prompts += [torch.randint(0, COPY_V, (1, COPY_L), generator=gen).to(device)
+                for _ in range(COPY_ROWS - 1)]  # fmt: skip
+    fns = {
+        PLAIN: lambda: [generate(model, p, COPY_L, greedy=True) for p in prompts],
+        "prompt_lookup": lambda: [
+            prompt_lookup_generate(model, p, COPY_L, k=LOOKUP_K) for p in prompts
+        ],
+    }
+    plain, looked = fns[PLAIN](), fns["prompt_lookup"]()
+    same = all(torch.equal(a, b.ids) for a, b in zip(plain, looked, strict=True))
+    assert same, "prompt lookup changed the copy model's greedy tokens"
+    copied = sum(torch.equal(a[0, COPY_L:], p[0]) for a, p in zip(plain, prompts, strict=True))
+    timed = interleaved(fns, s.llama_repeats, s.warmup_after_check(), device)
+    row = {
+        "train_steps": steps,
+        "rows": COPY_ROWS,
+        "rows_copied": copied,
+        "new_tokens": COPY_ROWS * COPY_L,
+        "target_calls": sum(o.target_calls for o in looked),
+        "acceptance_rate": sum(o.accepted for o in looked)
+        / max(sum(o.proposed for o in looked), 1),
+        "plain_ms": 1e3 * timed[PLAIN]["median_s"],
+        "lookup_ms": 1e3 * timed["prompt_lookup"]["median_s"],
+        "speedup": timed[PLAIN]["median_s"] / timed["prompt_lookup"]["median_s"],
+        "same_tokens": same,
+    }
+    print(
+        f"  prompt lookup on a model trained {steps} steps to copy ({copied} of {COPY_ROWS} rows "
+        f"copied): {row['target_calls']} target calls for {row['new_tokens']} tokens, "
+        f"{row['lookup_ms']:.1f} ms vs plain {row['plain_ms']:.1f} ms, speed-up "
+        f"{row['speedup']:.2f} (tokens the same)",
+        flush=True,
+    )
+    return row
 
 
 def bench_speculative(s: Settings, device: torch.device) -> dict:
@@ -154,4 +227,5 @@ def bench_speculative(s: Settings, device: torch.device) -> dict:
         "new_tokens": n,
         "target_repeat_rate": repeat_rate,
         "rows": rows,
+        "copy_task": copy_rows(s, device),
     }

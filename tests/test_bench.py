@@ -168,6 +168,11 @@ def _check_speculative(results: dict, out: str) -> None:
     assert "shares nothing with the target" in spec["rows"][0]["draft_is"]
     table = out[out.index("speculative decoding, speed-up over plain greedy") :].splitlines()
     assert [line.split()[0] for line in table[2:5]] == ["copy", "first_layers", "prompt_lookup"]
+    c = spec["copy_task"]
+    assert c["same_tokens"] and c["rows"] == 16 and c["new_tokens"] == 16 * 16
+    assert 16 <= c["target_calls"] <= 256 and 0 <= c["rows_copied"] <= 16
+    assert c["speedup"] == pytest.approx(c["plain_ms"] / c["lookup_ms"])
+    assert any(line.startswith("prompt lookup on a model trained to copy") for line in table)
     assert all(line.endswith("same") for line in table[2:5])
 
 
