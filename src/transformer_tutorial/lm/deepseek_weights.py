@@ -37,6 +37,7 @@ from transformer_tutorial.lm.hf_weights import (
 )
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.moe import DeepSeekMoE
+from transformer_tutorial.lm.moe_weights import split_pairs
 
 # Our attention's names → theirs (``self_attn.`` on both sides).
 MLA_NAMES = {
@@ -265,14 +266,7 @@ def _pairs(
 
 def _copy(ours: LanguageModel, theirs: DeepseekV3ForCausalLM, *, to_theirs: bool) -> None:
     check_models(ours, theirs, DeepseekV3ForCausalLM)
-    pairs = []  # (their name, destination, source): gate_up_proj's halves are views of it
-    for name, mine, their in _pairs(ours, theirs):
-        parts = their.chunk(len(mine), dim=1) if len(mine) > 1 else (their,)
-        if len(parts) != len(mine):
-            raise ValueError(f"{name}: shapes differ, {tuple(their.shape)} cannot split in two")
-        for part, piece in zip(mine, parts, strict=True):
-            pairs.append((name, piece, part) if to_theirs else (name, part, piece))
-    copy_pairs(pairs, ours, theirs)
+    copy_pairs(split_pairs(_pairs(ours, theirs), to_theirs=to_theirs), ours, theirs)
 
 
 def copy_from_deepseek_v3(ours: LanguageModel, theirs: DeepseekV3ForCausalLM) -> None:

@@ -14,7 +14,7 @@ names each that does not.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from torch import Tensor
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -151,14 +151,23 @@ def _pairs(
 
 def _copy(ours: LanguageModel, theirs: Qwen3MoeForCausalLM, *, to_theirs: bool) -> None:
     check_models(ours, theirs, Qwen3MoeForCausalLM)
-    pairs = []  # (their name, destination, source): gate_up_proj's halves are views of it
-    for name, mine, their in _pairs(ours, theirs):
+    copy_pairs(split_pairs(_pairs(ours, theirs), to_theirs=to_theirs), ours, theirs)
+
+
+def split_pairs(
+    named: Iterable[tuple[str, tuple[Tensor, ...], Tensor]], *, to_theirs: bool
+) -> list[tuple[str, Tensor, Tensor]]:
+    """``(their name, destination, source)`` for each ``(their name, our tensors, theirs)``:
+    where we keep two tensors for one of theirs (gate and up of the merged ``gate_up_proj``),
+    each pairs with its half of theirs along dim 1 (views, so a copy writes into theirs)."""
+    pairs = []
+    for name, mine, their in named:
         parts = their.chunk(len(mine), dim=1) if len(mine) > 1 else (their,)
         if len(parts) != len(mine):
             raise ValueError(f"{name}: shapes differ, {tuple(their.shape)} cannot split in two")
         for part, piece in zip(mine, parts, strict=True):
             pairs.append((name, piece, part) if to_theirs else (name, part, piece))
-    copy_pairs(pairs, ours, theirs)
+    return pairs
 
 
 def copy_from_qwen3_moe(ours: LanguageModel, theirs: Qwen3MoeForCausalLM) -> None:
