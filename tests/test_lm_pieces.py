@@ -23,6 +23,7 @@ from transformer_tutorial.lm.pieces import (
     make_feed_forward,
     make_norm,
     make_positions,
+    make_rotary,
 )
 from transformer_tutorial.lm.rope_scaling import RopeScaling, scaled_rotary
 from transformer_tutorial.lm.rotary import RotaryPositions
@@ -121,6 +122,31 @@ PIECES_PROBES = {
         lambda: make_feed_forward(config(**MOE), -1),
         ValueError,
         "layer must be at least 0, got -1",
+    ),
+    "make_positions: a dict": (
+        lambda: make_positions({"positions": "rope"}),
+        TypeError,
+        "config must be an LMConfig, got dict",
+    ),
+    "make_rotary: a dict": (
+        lambda: make_rotary({"positions": "rope"}),
+        TypeError,
+        "config must be an LMConfig, got dict",
+    ),
+    "make_rotary: checked not a bool": (
+        lambda: make_rotary(config(), checked=1),
+        TypeError,
+        "checked must be True or False, got 1",
+    ),
+    "make_attention: a dict": (
+        lambda: make_attention({"attention": "gqa"}),
+        TypeError,
+        "config must be an LMConfig, got dict",
+    ),
+    "make_attention: rotary not a RotaryPositions": (
+        lambda: make_attention(config(), rotary="rope"),
+        TypeError,
+        "rotary must be a RotaryPositions (make_rotary) or None, got str",
     ),
     "learned: start a float": (
         lambda: LearnedPositionalEmbedding(8, 16)(X3, 1.0),

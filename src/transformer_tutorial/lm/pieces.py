@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from transformer_tutorial.attention import KVCache, MultiHeadAttention
-from transformer_tutorial.checks import check_int, check_tensor, check_type
+from transformer_tutorial.checks import check_bool, check_int, check_tensor, check_type
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
 from transformer_tutorial.feed_forward import SwiGLU, build_feed_forward
 from transformer_tutorial.layers import FeedForward
@@ -86,6 +86,8 @@ def make_rotary(config: LMConfig, *, checked: bool = True) -> RotaryPositions | 
     the positions were added to the embeddings. ``checked=False`` (the model's): no read back
     from the device a layer, since the model counts positions on the host and refuses any past
     ``max_len`` (a layer called on its own keeps the check)."""
+    check_type("config", config, LMConfig, "an LMConfig")
+    check_bool("checked", checked)
     if config.attention == "mla":
         return scaled_rotary(
             config.qk_rope_head_dim,
@@ -121,6 +123,9 @@ def make_attention(
     DeepSeek's. ``rotary``: the model's position hook (:func:`make_rotary`), shared by every
     layer; None builds one for this attention alone (checking the position ids it is given).
     """
+    check_type("config", config, LMConfig, "an LMConfig")
+    if rotary is not None:
+        check_type("rotary", rotary, RotaryPositions, "a RotaryPositions (make_rotary) or None")
     rotary = make_rotary(config) if rotary is None else rotary
     if config.attention == "mha":
         return CausalMultiHeadAttention(
@@ -214,6 +219,7 @@ def make_positions(config: LMConfig) -> nn.Module:
     """What adds positions to the token embeddings: ``"learned"`` (GPT-2, a trained table),
     ``"sinusoidal"`` (the paper, chapter 2) or, with ``"rope"``, nothing: rotary positions turn
     queries and keys inside attention. Each takes ``(x, start)`` and adds dropout."""
+    check_type("config", config, LMConfig, "an LMConfig")
     if config.positions == "sinusoidal":
         return SinusoidalPositionalEncoding(config.d_model, config.max_len, config.dropout)
     if config.positions == "rope":
