@@ -79,8 +79,7 @@ def quantized(model: nn.Module, bits: int) -> nn.Module:
 
 def step_bytes(model: nn.Module) -> int:
     """Bytes of weights a decoding step reads: all of them but the input embedding table."""
-    table = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    table = table if table is not None else model.embed  # ours
+    table = model.embed if isinstance(model, LanguageModel) else model.get_input_embeddings()
     return weight_bytes(model) - table.weight.numel() * table.weight.element_size()
 
 

@@ -135,9 +135,9 @@ def copy_rows(s: Settings, device: torch.device) -> dict:
     steps = COPY_STEPS["quick" if s.quick else "full"]
     model = copy_model(steps, device)
     gen = torch.Generator().manual_seed(99)
-    prompts = [torch.randint(0, COPY_V, (1, COPY_L), generator=gen).to(device)]
-    prompts += [torch.randint(0, COPY_V, (1, COPY_L), generator=gen).to(device)
-                for _ in range(COPY_ROWS - 1)]  # fmt: skip
+    prompts = [
+        torch.randint(0, COPY_V, (1, COPY_L), generator=gen).to(device) for _ in range(COPY_ROWS)
+    ]
     fns = {
         PLAIN: lambda: [generate(model, p, COPY_L, greedy=True) for p in prompts],
         "prompt_lookup": lambda: [
