@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from transformer_tutorial.checks import check_int, check_tensor, check_type
 from transformer_tutorial.lm.cache import LayerCache
 from transformer_tutorial.lm.config import LMConfig
-from transformer_tutorial.lm.moe import MixtureOfExperts
 from transformer_tutorial.lm.pieces import make_attention, make_feed_forward, make_norm
 from transformer_tutorial.lm.rotary import RotaryPositions
 
@@ -51,6 +50,8 @@ class DecoderOnlyLayer(nn.Module):
         self.norm_first = config.norm_first
         self.self_attn = make_attention(config, rotary)
         self.ff = make_feed_forward(config, layer)  # layer: which are sparse (chapter 20)
+        # Chapter 20: whether ff is a mixture of experts, which also gives its router's logits.
+        self.sparse = config.is_sparse(layer)
         self.norm1 = make_norm(config)
         self.norm2 = make_norm(config)
         self.dropout1 = nn.Dropout(config.dropout)
@@ -112,7 +113,7 @@ class DecoderOnlyLayer(nn.Module):
         return self.dropout1(out)
 
     def _ff_block(self, x: Tensor, router_logits: list[Tensor] | None) -> Tensor:
-        if isinstance(self.ff, MixtureOfExperts):  # chapter 20
+        if self.sparse:  # chapter 20
             out, logits = self.ff.forward_with_router_logits(x)
             if router_logits is not None:
                 router_logits.append(logits)
