@@ -1,6 +1,8 @@
 """Chapter 10: run records — what a run was, where it ran and how it went (:class:`RunRecord`,
 ``record.json``), told in a few lines by :func:`describe_run`; and the book's reference record,
-shipped with the package (:func:`load_reference_record`).
+shipped with the package (:func:`load_reference_record`). Every committed record the chapters
+read is kept once, in the repository's ``results/`` (and ``bench/results/``), and read through
+:func:`shipped_record`, from the package's copy when installed from a wheel.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from transformer_tutorial.decode import BleuScore
 
 # How many test sentences a record keeps with their translations, to read.
 RECORD_SAMPLES = 20
+# The repository's folders of records, and where a wheel keeps their copies inside the package
+# (pyproject.toml maps each to a data package of its own); a checkout reads the folders.
+SHIPPED_FOLDERS = {"results": "results", "bench/results": "bench_results"}
+REFERENCE_BENCH = "bench/results/cpu-2.13.0+cpu.json"  # the ``make bench`` run the book quotes
 
 
 def beam_search_name(beam_size: int) -> str:
@@ -184,7 +190,11 @@ class RunRecord:
 
     @classmethod
     def from_json(cls, text: str) -> RunRecord:
-        data = json.loads(text)  # fields with defaults came later: older records lack them
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunRecord:
+        # fields with defaults came later: older records lack them
         values = {
             f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING
         }
@@ -298,22 +308,33 @@ def _scored_weights(record: RunRecord) -> list[tuple[str, str]]:
     ]
 
 
+def shipped_record(path: str) -> dict:
+    """The JSON record the repository keeps at ``path`` (from its root, inside one of
+    :data:`SHIPPED_FOLDERS`, e.g. ``"results/dpo/record.json"``): the package's copy when it
+    was installed from a wheel, otherwise the checkout's own file."""
+    folder = next((f for f in SHIPPED_FOLDERS if path.startswith(f + "/")), None)
+    if folder is None:
+        raise ValueError(f"path must lie in one of {sorted(SHIPPED_FOLDERS)}, got {path!r}")
+    shipped = resources.files("transformer_tutorial").joinpath(SHIPPED_FOLDERS[folder])
+    for part in path[len(folder) + 1 :].split("/"):
+        shipped = shipped.joinpath(part)
+    checkout = Path(__file__).resolve().parents[2] / path
+    if shipped.is_file():
+        return json.loads(shipped.read_text(encoding="utf-8"))
+    if checkout.is_file():
+        return json.loads(checkout.read_text(encoding="utf-8"))
+    raise FileNotFoundError(f"{path!r}: neither the installed package nor a checkout holds it")
+
+
 def load_reference_record() -> RunRecord:
     """The record of the book's reference run
-    (``python -m transformer_tutorial.train --config small``), shipped with the package as
-    ``reference_run.json``; the repository keeps the same file as
-    ``results/multi30k_de_en/record.json``."""
-    text = (
-        resources.files("transformer_tutorial")
-        .joinpath("reference_run.json")
-        .read_text(encoding="utf-8")
-    )
-    return RunRecord.from_json(text)
+    (``python -m transformer_tutorial.train --config small``), kept as
+    ``results/multi30k_de_en/record.json`` and shipped with the package."""
+    return RunRecord.from_dict(shipped_record("results/multi30k_de_en/record.json"))
 
 
 def load_reference_bench() -> dict:
-    """The results of ``make bench`` that the book quotes (the CPU the book was built on),
-    shipped with the package as ``reference_bench.json``; the repository keeps the same file
-    in ``bench/results/``, named by its device and PyTorch version."""
-    shipped = resources.files("transformer_tutorial").joinpath("reference_bench.json")
-    return json.loads(shipped.read_text(encoding="utf-8"))
+    """The results of ``make bench`` that the book quotes (the CPU the book was built on), kept
+    in ``bench/results/`` named by its device and PyTorch version (:data:`REFERENCE_BENCH`) and
+    shipped with the package."""
+    return shipped_record(REFERENCE_BENCH)
