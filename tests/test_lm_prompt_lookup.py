@@ -90,7 +90,10 @@ def test_prompt_lookup_stops_at_eos():
             lambda m: prompt_lookup_generate(m, torch.tensor([[1]]), 4, k=2, max_ngram=0),
             "max_ngram",
         ),
-        (lambda m: prompt_lookup_generate(m, torch.tensor([[1]]), 4, k=2, eos_id=50), "eos_id=50"),
+        (
+            lambda m: prompt_lookup_generate(m, torch.tensor([[1]]), 4, k=2, eos_id=50),
+            "eos_id=50 is no token",
+        ),
         (lambda m: lookup_proposals([1, 2], -1), "k must be at least 0"),
     ],
 )

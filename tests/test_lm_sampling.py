@@ -14,13 +14,15 @@ from transformers.generation.logits_process import (
 )
 
 from helpers import raises
-from transformer_tutorial.lm.config import LMConfig
+from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel
+from transformer_tutorial.lm.paged_cache import greedy_with_cache, paged_cache
 from transformer_tutorial.lm.sampling import (
     apply_temperature,
     filter_logits,
     generate,
     next_token,
+    sample,
     top_k_filter,
     top_p_filter,
 )
@@ -138,6 +140,37 @@ def test_samples_follow_the_filtered_distribution(settings):
     assert (seen[expected == 0] == 0).all()
 
 
+def _gumbel_max(log_probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The draw as ``next_token`` and ``speculative._sample`` wrote it before ``sample`` was
+    shared: ``argmax(log p + G)``, ``G = -log(-log U)``."""
+    return (log_probs - torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))).argmax(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sample_draws_the_tokens_the_gumbel_max_formula_draws(dtype):
+    """``sample`` draws ``U`` in the log-probabilities' dtype (next_token's float32,
+    speculative decoding's float64): the same seed gives the same tokens as the formula, and
+    leaves the generator in the same state."""
+    log_probs = torch.log_softmax(random_logits(rows=256).to(dtype), -1)
+    log_probs[:, :4] = float("-inf")  # filtered out
+    theirs, ours = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    want = _gumbel_max(log_probs, torch.rand(log_probs.shape, generator=theirs, dtype=dtype))
+    got = sample(log_probs, ours)
+    assert torch.equal(got, want) and (got >= 4).all()
+    assert torch.equal(ours.get_state(), theirs.get_state())
+    single = sample(log_probs[0], torch.Generator().manual_seed(5))  # one distribution (V,)
+    assert single.shape == () and single == want[0]
+
+
+@pytest.mark.parametrize("settings", [{}, {"top_k": 5, "temperature": 0.7}, {"top_p": 0.8}])
+def test_next_token_samples_as_it_did_before_sample_was_shared(settings):
+    logits = random_logits(rows=256, seed=2)
+    log_probs = torch.log_softmax(filter_logits(logits, **settings).float(), -1)
+    u = torch.rand(log_probs.shape, generator=torch.Generator().manual_seed(1))
+    got = next_token(logits, generator=torch.Generator().manual_seed(1), **settings)
+    assert torch.equal(got, _gumbel_max(log_probs, u))
+
+
 def test_a_seeded_generator_reproduces_a_sample():
     lm, prompt = tiny_lm(), torch.tensor([[1], [2], [3]])
 
@@ -160,6 +193,92 @@ def test_cached_generation_equals_recomputing(settings):
     ]
     assert outs[0].shape == (2, 18)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_generate_takes_a_ready_cache_of_any_kind():
+    """``cache=``: the empty cache ``model.new_cache`` or ``paged_cache`` made, changed in place
+    (what ``greedy_with_cache`` did): greedy's tokens from each."""
+    torch.manual_seed(0)
+    config = LMConfig(
+        vocab_size=V, d_model=16, n_heads=2, n_kv_heads=1, n_layers=2, d_ff=32, max_len=24, **LLAMA
+    )
+    lm, prompt = LanguageModel(config).eval(), torch.tensor([[1, 4, 2], [3, 3, 3]])
+    with torch.no_grad():  # peaked, varied distributions (as tiny_lm)
+        lm.lm_head.weight.mul_(8.0)
+    want = generate(lm, prompt, 15, greedy=True)
+    assert len(set(want[:, 3:].flatten().tolist())) > 3
+    prealloc = lm.new_cache(2, "preallocated")
+    assert torch.equal(generate(lm, prompt, 15, greedy=True, cache=prealloc), want)
+    assert prealloc.length == 17  # the prompt and every new token but the last
+    assert torch.equal(greedy_with_cache(lm, prompt, 15, lm.new_cache(2, "preallocated")), want)
+    paged = paged_cache(lm, 2, n_blocks=10, block_size=4)
+    assert torch.equal(generate(lm, prompt, 15, greedy=True, cache=paged), want)
+    sampled = [
+        generate(lm, prompt, 15, top_k=5, generator=torch.Generator().manual_seed(0), **kind)
+        for kind in ({}, {"cache": lm.new_cache(2, "preallocated")})
+    ]
+    assert torch.equal(sampled[0], sampled[1])
+
+
+def _used_cache() -> object:
+    cache = tiny_lm().new_cache(1)
+    tiny_lm().step(torch.tensor([[1, 2]]), cache)
+    return cache
+
+
+CACHE_PROBES = {
+    "cache and cache_kind": (
+        lambda lm, cache: generate(lm, PROMPT, 3, cache=cache, cache_kind="preallocated"),
+        ValueError,
+        "pass cache or cache_kind, not both",
+    ),
+    "cache without use_cache": (
+        lambda lm, cache: generate(lm, PROMPT, 3, cache=cache, use_cache=False),
+        ValueError,
+        "cache needs use_cache=True",
+    ),
+    "cache_kind without use_cache": (
+        lambda lm, cache: generate(lm, PROMPT, 3, cache_kind="growing", use_cache=False),
+        ValueError,
+        "cache_kind needs use_cache=True",
+    ),
+    "cache a str": (
+        lambda lm, cache: generate(lm, PROMPT, 3, cache="preallocated"),
+        TypeError,
+        "cache must be an empty LMCache (model.new_cache, paged_cache) or None, got str",
+    ),
+    "a used cache": (
+        lambda lm, cache: generate(lm, PROMPT, 3, cache=_used_cache()),
+        ValueError,
+        "cache must be empty, got one holding 2 positions",
+    ),
+    "an unknown cache_kind": (
+        lambda lm, cache: generate(lm, PROMPT, 3, cache_kind="paged"),
+        ValueError,
+        "cache_kind: kind must be one of ['growing', 'preallocated'], got 'paged'",
+    ),
+    "an empty cache_kind": (
+        lambda lm, cache: generate(lm, PROMPT, 3, cache_kind=""),
+        ValueError,
+        "cache_kind: kind must be one of ['growing', 'preallocated'], got ''",
+    ),
+    "a prompt of no rows": (
+        lambda lm, cache: generate(lm, torch.zeros(0, 2, dtype=torch.long), 3),
+        ValueError,
+        "prompt must be (B, T0) ids with B >= 1 and T0 >= 1, got (0, 2)",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "phrase"), CACHE_PROBES.values(), ids=CACHE_PROBES.keys()
+)
+def test_a_bad_cache_is_refused_and_left_as_it_was(call, error, phrase):
+    lm = tiny_lm()
+    cache = lm.new_cache(1, "preallocated")
+    raises(lambda: call(lm, cache), error, phrase)
+    assert cache.length == 0
+    assert all(not b.any() for layer in cache.layers for b in layer.buffers)  # nothing written
 
 
 def test_batched_greedy_equals_one_row_at_a_time():
@@ -217,7 +336,7 @@ def test_bad_settings_are_refused(settings, error, phrase):
         (
             lambda lm: generate(lm, torch.tensor([[1]]), 3, cache_kind="paged"),
             ValueError,
-            "kind must be one of",
+            "cache_kind: kind must be one of",
         ),
     ],
 )
@@ -305,6 +424,16 @@ SAMPLING_PROBES = {
         lambda: generate(tiny_lm(), PROMPT, 3, eos_id=1, pad_id=V),
         ValueError,
         f"pad_id={V} is no token of the model's vocabulary (0 to {V - 1})",
+    ),
+    "log_probs a list": (
+        lambda: sample([0.0, -1.0], None),
+        TypeError,
+        "log_probs must be a Tensor (..., V), got list",
+    ),
+    "sample's generator an int": (
+        lambda: sample(torch.zeros(3), 3),
+        TypeError,
+        "generator must be a torch.Generator or None, got int",
     ),
     "use_cache an int": (
         lambda: generate(tiny_lm(), PROMPT, 3, use_cache=1),

@@ -19,6 +19,7 @@ from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.sampling import generate
 from transformer_tutorial.lm.speculative import (
     acceptance_probability,
+    cut_at_eos,
     residual_distribution,
     speculative_generate,
 )
@@ -152,6 +153,12 @@ def test_the_rule_keeps_what_is_likelier_under_the_target():
         residual_distribution(p, q), torch.tensor([5 / 6, 0, 1 / 6]).double()
     )
     assert torch.equal(residual_distribution(p, p), p)
+
+
+def test_cut_at_eos_keeps_the_tokens_up_to_the_first_eos():
+    assert cut_at_eos([4, 2, 7, 2], 2) == [4, 2]
+    assert cut_at_eos([4, 7], 2) == [4, 7]
+    assert cut_at_eos([4, 2], None) == [4, 2]
 
 
 def test_bad_input_is_refused_by_name():

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from transformer_tutorial.checks import check_int, check_optional_int
+from transformer_tutorial.checks import check_int
 from transformer_tutorial.lm.model import LanguageModel
-from transformer_tutorial.lm.sampling import check_prompt
-from transformer_tutorial.lm.speculative import SpeculativeOutput
+from transformer_tutorial.lm.sampling import check_stop_ids
+from transformer_tutorial.lm.speculative import SpeculativeOutput, check_one_prompt, cut_at_eos
 
 
 def lookup_proposals(ids: Sequence[int], k: int, *, max_ngram: int = 3) -> list[int]:
@@ -60,16 +60,9 @@ def prompt_lookup_generate(
     in one call: the tokens :func:`~transformer_tutorial.lm.sampling.generate` gives greedily.
     A round with nothing to propose is a plain step. The cache is preallocated and rewound past
     the rejected proposals."""
-    check_prompt(target, prompt, max_new_tokens)
-    if prompt.size(0) != 1:
-        raise ValueError(f"prompt must be one row (1, T0), got {tuple(prompt.shape)}")
-    check_int("k", k, at_least=1)
+    check_one_prompt(target, prompt, max_new_tokens, k)
     check_int("max_ngram", max_ngram, at_least=1)
-    check_optional_int("eos_id", eos_id, at_least=0)
-    if eos_id is not None and eos_id >= target.config.vocab_size:
-        raise ValueError(
-            f"eos_id={eos_id} is outside the vocabulary of {target.config.vocab_size} tokens"
-        )
+    check_stop_ids(target, eos_id=eos_id)
     ids, total, device = prompt[0].tolist(), prompt.size(1) + max_new_tokens, prompt.device
     cache = target.new_cache(1, "preallocated", max_len=total)
     pending = ids  # the tokens the cache has not read yet
@@ -84,10 +77,7 @@ def prompt_lookup_generate(
         n = 0
         while n < len(proposals) and proposals[n] == best[n]:
             n += 1
-        new = [*proposals[:n], best[n]]
-        if eos_id is not None and eos_id in new:
-            new = new[: new.index(eos_id) + 1]
-        ids = ids + new
+        ids = ids + cut_at_eos([*proposals[:n], best[n]], eos_id)
         proposed, accepted = proposed + len(proposals), accepted + n
         if eos_id is not None and ids[-1] == eos_id:
             break

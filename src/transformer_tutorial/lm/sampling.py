@@ -18,7 +18,7 @@ from transformer_tutorial.checks import (
     check_tensor,
     check_type,
 )
-from transformer_tutorial.lm.cache import check_cache_kind
+from transformer_tutorial.lm.cache import LMCache
 from transformer_tutorial.lm.model import LanguageModel
 
 
@@ -104,6 +104,25 @@ def filter_logits(
     return logits
 
 
+def sample(log_probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token from each distribution of ``log_probs`` ``(..., V)`` (``-inf`` where a token
+    is ruled out) → ``(...)``, by the Gumbel-max trick: ``argmax(log p + G)`` with
+    ``G = -log(-log U)`` is a sample from ``p``. ``U`` is drawn by ``torch.rand`` in the
+    log-probabilities' dtype, whose stream a seed fixes on every torch release (that of
+    ``torch.multinomial`` changed between 2.6 and 2.13): a seeded sample is the same anywhere.
+    """
+    check_tensor("log_probs", log_probs, kind="float", shape="(..., V)")
+    if log_probs.dim() == 0 or log_probs.size(-1) == 0:
+        raise ValueError(f"log_probs must be (..., V) with V >= 1, got {tuple(log_probs.shape)}")
+    if generator is not None:
+        check_type("generator", generator, torch.Generator, "a torch.Generator or None")
+    u = torch.rand(
+        log_probs.shape, generator=generator, dtype=log_probs.dtype, device=log_probs.device
+    )
+    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+    return (log_probs + gumbel).argmax(dim=-1)
+
+
 def next_token(
     logits: Tensor,
     *,
@@ -125,23 +144,19 @@ def next_token(
     if greedy:
         return logits.argmax(dim=-1)
     filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    # The Gumbel-max trick: argmax(log p + G) with G = -log(-log U) is a sample from p. It
-    # draws with torch.rand, whose stream a seed fixes on every torch release (that of
-    # torch.multinomial changed between 2.6 and 2.13), so a seeded sample is the same anywhere.
-    log_probs = torch.log_softmax(filtered.float(), dim=-1)  # (B, V), -inf where filtered out
-    u = torch.rand(log_probs.shape, generator=generator, device=log_probs.device)
-    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
-    return (log_probs + gumbel).argmax(dim=-1)
+    return sample(torch.log_softmax(filtered.float(), dim=-1), generator)  # -inf: filtered out
 
 
 def check_prompt(model: LanguageModel, prompt: Tensor, max_new_tokens: int) -> None:
-    """Refuse a prompt that is not ``(B, T0)`` ids with ``T0 >= 1``, or that would grow past the
-    model's ``max_len`` with ``max_new_tokens`` more."""
+    """Refuse a prompt that is not ``(B, T0)`` ids with ``B, T0 >= 1``, or that would grow past
+    the model's ``max_len`` with ``max_new_tokens`` more."""
     check_type("model", model, LanguageModel, "a LanguageModel")
     check_tensor("prompt", prompt, kind="int")
     check_int("max_new_tokens", max_new_tokens, at_least=0)
-    if prompt.dim() != 2 or prompt.size(1) < 1:
-        raise ValueError(f"prompt must be (B, T0) ids with T0 >= 1, got {tuple(prompt.shape)}")
+    if prompt.dim() != 2 or prompt.size(0) < 1 or prompt.size(1) < 1:
+        raise ValueError(
+            f"prompt must be (B, T0) ids with B >= 1 and T0 >= 1, got {tuple(prompt.shape)}"
+        )
     total = prompt.size(1) + max_new_tokens
     if total > model.config.max_len:
         raise ValueError(
@@ -163,6 +178,42 @@ def check_stop_ids(model: LanguageModel, *, eos_id: int | None, pad_id: int | No
             )
 
 
+def check_cache_choice(cache: LMCache | None, cache_kind: str | None, use_cache: bool) -> None:
+    """At most one of ``cache`` (empty, ready made) and ``cache_kind`` (one to make), and
+    neither without ``use_cache``. The kind itself is the model's to check
+    (:meth:`LanguageModel.new_cache`)."""
+    check_bool("use_cache", use_cache)
+    if cache is not None and cache_kind is not None:
+        raise ValueError(
+            f"pass cache or cache_kind, not both: cache_kind={cache_kind!r} names the kind of "
+            f"cache to make, cache is one already made"
+        )
+    for name, value in (("cache", cache), ("cache_kind", cache_kind)):
+        if value is not None and not use_cache:
+            raise ValueError(f"{name} needs use_cache=True; without, nothing is cached")
+    if cache is not None:
+        what = "an empty LMCache (model.new_cache, paged_cache) or None"
+        check_type("cache", cache, LMCache, what)
+        if cache.length:
+            raise ValueError(
+                f"cache must be empty, got one holding {cache.length} positions: the prompt "
+                f"starts at position 0 (make a new cache for each call)"
+            )
+
+
+def _new_cache(
+    model: LanguageModel, batch_size: int, cache_kind: str | None, max_len: int
+) -> LMCache:
+    """``model.new_cache`` of ``cache_kind`` (None: ``"growing"``), whose check of the kind is
+    the one: its error, naming the argument of :func:`generate` it came from."""
+    try:
+        return model.new_cache(
+            batch_size, "growing" if cache_kind is None else cache_kind, max_len=max_len
+        )
+    except ValueError as error:
+        raise ValueError(f"cache_kind: {error}") from error
+
+
 @torch.no_grad()
 def generate(
     model: LanguageModel,
@@ -177,7 +228,8 @@ def generate(
     pad_id: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
-    cache_kind: str = "growing",
+    cache_kind: str | None = None,
+    cache: LMCache | None = None,
 ) -> Tensor:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -185,8 +237,9 @@ def generate(
     None), and the loop stops once every row is finished. With ``use_cache`` each step feeds
     only the new token and the layers' keys and values are kept (:meth:`LanguageModel.step`);
     without, each step recomputes the whole sequence. The two give the same tokens.
-    ``cache_kind``: the cache's kind (:meth:`LanguageModel.new_cache`), ``"growing"`` or
-    ``"preallocated"`` (for the prompt and every new token).
+    ``cache_kind``: the kind of cache to make (:meth:`LanguageModel.new_cache`), ``"growing"``
+    (None) or ``"preallocated"`` (for the prompt and every new token); or ``cache``: an empty
+    cache already made (``model.new_cache``, chapter 23's ``paged_cache``), which the call fills.
 
     Reads back from the device: the prompt's id range once, then one read a token with
     ``eos_id`` ("has every row finished?") and none without (without ``use_cache`` each
@@ -204,14 +257,14 @@ def generate(
     check_prompt(model, prompt, max_new_tokens)
     check_stop_ids(model, eos_id=eos_id, pad_id=pad_id)
     check_sampling(temperature, top_k, top_p)
-    check_bool("use_cache", use_cache)
+    check_cache_choice(cache, cache_kind, use_cache)
     total = prompt.size(1) + max_new_tokens
     fill = eos_id if pad_id is None else pad_id
     ids = prompt
     finished = torch.zeros(prompt.size(0), dtype=torch.bool, device=prompt.device)
-    check_cache_kind(cache_kind)
     if use_cache:
-        cache = model.new_cache(prompt.size(0), cache_kind, max_len=total)
+        if cache is None:
+            cache = _new_cache(model, prompt.size(0), cache_kind, total)
         logits, cache = model.step(prompt, cache)
     else:
         logits = model(prompt)

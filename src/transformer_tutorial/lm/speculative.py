@@ -21,12 +21,14 @@ import torch
 from torch import Tensor
 
 from transformer_tutorial.checks import check_bool, check_int, check_tensor, check_type
+from transformer_tutorial.lm.cache import LMCache
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.sampling import (
     check_prompt,
     check_sampling,
     check_stop_ids,
     filter_logits,
+    sample,
 )
 
 
@@ -73,11 +75,81 @@ class SpeculativeOutput:
         return self.accepted / max(self.proposed, 1)
 
 
-def _sample(probs: Tensor, generator: torch.Generator | None) -> int:
-    """One token from ``probs`` ``(V,)`` by the Gumbel-max trick (as ``next_token``)."""
-    u = torch.rand(probs.shape, generator=generator, dtype=torch.float64, device=probs.device)
-    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
-    return int((probs.log() + gumbel).argmax())
+def check_one_prompt(model: LanguageModel, prompt: Tensor, max_new_tokens: int, k: int) -> None:
+    """``prompt`` one row ``(1, T0)`` that ``max_new_tokens`` more keep inside ``model``'s
+    ``max_len``, and ``k >= 1`` tokens verified a round."""
+    check_prompt(model, prompt, max_new_tokens)
+    if prompt.size(0) != 1:
+        raise ValueError(f"prompt must be one row (1, T0), got {tuple(prompt.shape)}")
+    check_int("k", k, at_least=1)
+
+
+def cut_at_eos(tokens: list[int], eos_id: int | None) -> list[int]:
+    """``tokens`` up to their first ``eos_id``, included (all of them when None or absent)."""
+    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+def _check_models(target: LanguageModel, draft: LanguageModel) -> None:
+    """Two language models over one vocabulary."""
+    check_type("target", target, LanguageModel, "a LanguageModel")
+    check_type("draft", draft, LanguageModel, "a LanguageModel")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"the draft's vocabulary ({draft.config.vocab_size} tokens) must be the target's "
+            f"({target.config.vocab_size}): it proposes the target's token ids"
+        )
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """How both models choose a token (greedily, or by sampling the filtered distribution) and
+    how the target accepts the draft's."""
+
+    greedy: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    generator: torch.Generator | None
+
+    def choose(self, logits: Tensor) -> tuple[int, Tensor]:
+        """A token for ``logits`` ``(V,)``, and the distribution ``(V,)`` it comes from."""
+        filtered = filter_logits(
+            logits.double(), temperature=self.temperature, top_k=self.top_k, top_p=self.top_p
+        )
+        probs = torch.softmax(filtered, -1)
+        token = logits.argmax() if self.greedy else sample(probs.log(), self.generator)
+        return int(token), probs
+
+    def verify(self, logits: Tensor, proposals: list[int], qs: list[Tensor]) -> tuple[int, int]:
+        """How many ``proposals`` the target accepts, left to right, given its ``logits``
+        ``(n + 1, V)`` after each, and the token that follows the last one accepted: the
+        target's own after a rejection (from the residual when sampling), else its next."""
+        for i, token in enumerate(proposals):
+            best, p = self.choose(logits[i])
+            if self.greedy:
+                keep = token == best
+            else:
+                u = torch.rand((), generator=self.generator, dtype=torch.float64, device=p.device)
+                keep = bool(u < acceptance_probability(p, qs[i], token))
+            if not keep:
+                residual = residual_distribution(p, qs[i])
+                return i, best if self.greedy else int(sample(residual.log(), self.generator))
+        return len(proposals), self.choose(logits[len(proposals)])[0]
+
+
+def _propose(
+    draft: LanguageModel, cache: LMCache, pending: list[int], n: int, rule: _Rule, device
+) -> tuple[list[int], list[Tensor]]:
+    """The draft reads its ``pending`` tokens and proposes ``n`` tokens, one call each: the
+    tokens and the distributions ``q`` they were drawn from."""
+    proposals, qs, feed = [], [], pending
+    for _ in range(n):
+        logits, cache = draft.step(torch.tensor([feed], device=device), cache)
+        token, q = rule.choose(logits[0, -1])
+        proposals.append(token)
+        qs.append(q)
+        feed = [token]
+    return proposals, qs
 
 
 @torch.no_grad()
@@ -100,73 +172,33 @@ def speculative_generate(
     :func:`~transformer_tutorial.lm.sampling.generate` gives greedily, or samples from its
     distribution (same filters, applied to both models). Both models keep
     preallocated caches, rewound past the rejected proposals."""
-    check_type("target", target, LanguageModel, "a LanguageModel")
-    check_type("draft", draft, LanguageModel, "a LanguageModel")
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(
-            f"the draft's vocabulary ({draft.config.vocab_size} tokens) must be the target's "
-            f"({target.config.vocab_size}): it proposes the target's token ids"
-        )
-    check_prompt(target, prompt, max_new_tokens)
-    if prompt.size(0) != 1:
-        raise ValueError(f"prompt must be one row (1, T0), got {tuple(prompt.shape)}")
-    check_int("k", k, at_least=1)
+    _check_models(target, draft)
+    check_one_prompt(target, prompt, max_new_tokens, k)
     check_bool("greedy", greedy)
     check_sampling(temperature, top_k, top_p)
     check_stop_ids(target, eos_id=eos_id)
     total = prompt.size(1) + max_new_tokens
     if total > draft.config.max_len:
         raise ValueError(f"{total} positions exceed the draft's max_len={draft.config.max_len}")
-
-    def choose(logits: Tensor) -> tuple[int, Tensor]:  # a token and its distribution (V,)
-        probs = torch.softmax(
-            filter_logits(logits.double(), temperature=temperature, top_k=top_k, top_p=top_p), -1
-        )
-        return (int(logits.argmax()) if greedy else _sample(probs, generator)), probs
-
-    ids = prompt[0].tolist()
+    rule = _Rule(greedy, temperature, top_k, top_p, generator)
+    ids, device = prompt[0].tolist(), prompt.device
     t_cache = target.new_cache(1, "preallocated", max_len=total)
     d_cache = draft.new_cache(1, "preallocated", max_len=total)
     t_pending, d_pending = ids, ids  # the tokens each cache has not read yet
     proposed = accepted = calls = 0
-    device = prompt.device
     while len(ids) < total:
         n_draft = min(k, total - len(ids))
         # 1) the draft proposes n_draft tokens, one call each
-        proposals, qs = [], []
-        feed = d_pending
-        for _ in range(n_draft):
-            logits, d_cache = draft.step(torch.tensor([feed], device=device), d_cache)
-            token, q = choose(logits[0, -1])
-            proposals.append(token)
-            qs.append(q)
-            feed = [token]
+        proposals, qs = _propose(draft, d_cache, d_pending, n_draft, rule, device)
         # 2) the target reads the pending tokens and every proposal in one call
         logits, t_cache = target.step(
             torch.tensor([t_pending + proposals], device=device), t_cache
         )
-        logits = logits[0, len(t_pending) - 1 :]  # (n_draft + 1, V): after each proposal
         calls += 1
         # 3) accept left to right; the target's token follows the last accepted one
-        n = 0
-        for i, token in enumerate(proposals):
-            best, p = choose(logits[i])
-            if greedy:
-                keep = token == best
-            else:
-                u = torch.rand((), generator=generator, dtype=torch.float64, device=device)
-                keep = bool(u < acceptance_probability(p, qs[i], token))
-            if not keep:
-                nxt = best if greedy else _sample(residual_distribution(p, qs[i]), generator)
-                break
-            n += 1
-        else:
-            nxt, _ = choose(logits[n_draft])
+        n, nxt = rule.verify(logits[0, len(t_pending) - 1 :], proposals, qs)
         proposed, accepted = proposed + n_draft, accepted + n
-        new = [*proposals[:n], nxt]
-        if eos_id is not None and eos_id in new:
-            new = new[: new.index(eos_id) + 1]
-        ids = ids + new[: total - len(ids)]
+        ids = ids + cut_at_eos([*proposals[:n], nxt], eos_id)[: total - len(ids)]
         if eos_id is not None and ids[-1] == eos_id:
             break
         # 4) the caches forget the rejected proposals
