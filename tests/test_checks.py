@@ -48,7 +48,7 @@ from transformer_tutorial.checks import (
         (
             lambda: check_number("a", -math.inf, low=-math.inf),
             ValueError,
-            "a must be at least -inf, got -inf",
+            "a must be a finite number, got -inf",
         ),
         (lambda: check_bool("flag", 1), TypeError, "flag must be True or False, got 1"),
         (lambda: check_type("m", 3, torch.nn.Module, "an nn.Module"), TypeError, "m must be an"),

@@ -287,6 +287,16 @@ LORA_PROBES = {
         ValueError,
         "alpha must be a finite number, got nan",
     ),
+    "alpha -inf": (
+        lambda: LoRALinear(nn.Linear(4, 4), rank=2, alpha=-math.inf),
+        ValueError,
+        "alpha must be a finite number, got -inf",
+    ),
+    "alpha a bool": (
+        lambda: LoRALinear(nn.Linear(4, 4), rank=2, alpha=True),
+        TypeError,
+        "alpha must be a number, got True (bool)",
+    ),
     "alpha a str": (
         lambda: LoRALinear(nn.Linear(4, 4), rank=2, alpha="1"),
         TypeError,

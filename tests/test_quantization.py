@@ -141,15 +141,27 @@ def test_quantize_linears_swaps_every_linear_but_the_kept_and_leaves_the_model()
 
 def test_bad_bits_and_group_sizes_are_refused_by_name():
     w = torch.randn(8, 48)
-    raises(lambda: quantize_weight(w, bits=3), ValueError, "bits must be 4 or 8")
+    raises(lambda: quantize_weight(w, bits=3), ValueError, "bits must be one of [4, 8], got 3")
     raises(
         lambda: quantize_weight(w, bits=4, group_size=32),
         ValueError,
         "group_size=32 does not divide the weight's 48 inputs",
     )
-    raises(lambda: quantize_weight(w, bits=4, group_size=0), ValueError, "group_size must be")
-    raises(lambda: quantize_weight(w.long(), bits=8), ValueError, "weight must be a float")
-    raises(lambda: quantize_linears(nn.Linear(4, 4), bits=2), ValueError, "bits must be 4 or 8")
+    raises(
+        lambda: quantize_weight(w, bits=4, group_size=0),
+        ValueError,
+        "group_size must be at least 1, got 0",
+    )
+    raises(
+        lambda: quantize_weight(w.long(), bits=8),
+        TypeError,
+        "weight must be a floating-point tensor, got torch.int64",
+    )
+    raises(
+        lambda: quantize_linears(nn.Linear(4, 4), bits=2),
+        ValueError,
+        "bits must be one of [4, 8], got 2",
+    )
     raises(
         lambda: QuantizedLinear(nn.Linear(48, 4), bits=4, group_size=64),
         ValueError,
@@ -164,7 +176,32 @@ QUANTIZATION_PROBES = {
     "weight a list": (
         lambda: quantize_weight([[1.0]], bits=8),
         TypeError,
-        "weight must be a Tensor, got list",
+        "weight must be a Tensor (out, in), got list",
+    ),
+    "bits a float": (
+        lambda: quantize_weight(torch.randn(4, 4), bits=8.0),
+        TypeError,
+        "bits must be an int, got 8.0 (float)",
+    ),
+    "bits a bool": (
+        lambda: QuantizedLinear(nn.Linear(4, 4), bits=True),
+        TypeError,
+        "bits must be an int, got True (bool)",
+    ),
+    "group_size a float": (
+        lambda: quantize_weight(torch.randn(4, 4), bits=4, group_size=2.0),
+        TypeError,
+        "group_size must be an int, got 2.0 (float)",
+    ),
+    "group_size a bool": (
+        lambda: quantize_linears(nn.Sequential(nn.Linear(4, 4)), bits=4, group_size=True),
+        TypeError,
+        "group_size must be an int, got True (bool)",
+    ),
+    "a 3-d weight": (
+        lambda: quantize_weight(torch.randn(2, 4, 4), bits=8),
+        ValueError,
+        "weight must be (out, in), got shape (2, 4, 4)",
     ),
     "a NaN weight": (
         lambda: quantize_weight(torch.tensor([[float("nan"), 1.0]]), bits=8),

@@ -61,7 +61,9 @@ def _out_of_range(
     above = value >= high if high_open else value > high
     if not (math.isnan(value) or math.isinf(value) or below or above):
         return None
-    if math.isinf(high):
+    if math.isinf(low) and math.isinf(high):
+        valid = "a finite number"
+    elif math.isinf(high):
         valid = f"{'greater than' if low_open else 'at least'} {low}"
     else:
         valid = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"

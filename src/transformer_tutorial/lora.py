@@ -29,10 +29,7 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 def _check_lora(rank: int, alpha: float, dropout: float, use_rslora: bool) -> None:
     check_int("rank", rank, at_least=1)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise TypeError(f"alpha must be a number, got {alpha!r} ({type(alpha).__name__})")
-    if not math.isfinite(alpha):
-        raise ValueError(f"alpha must be a finite number, got {alpha}")
+    check_number("alpha", alpha, low=-math.inf)
     check_number("dropout", dropout, low=0.0, high=1.0, high_open=True)
     check_bool("use_rslora", use_rslora)
 

@@ -27,7 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_tutorial.checks import check_tensor, check_type
+from transformer_tutorial.checks import (
+    check_choice,
+    check_int,
+    check_optional_int,
+    check_tensor,
+    check_type,
+)
 
 QMAX = {8: 127, 4: 7}
 # Activations that take PyTorch's int8 kernel, which wants the scale in their dtype: float32
@@ -42,12 +48,11 @@ INT4_ROWS = 16
 
 def _check(bits: int, group_size: int | None, in_features: int) -> int:
     """The group size to use (``in_features`` for None), or an error naming the argument."""
-    if bits not in QMAX:
-        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    check_int("bits", bits)
+    check_choice("bits", bits, QMAX)
+    check_optional_int("group_size", group_size, at_least=1)
     if group_size is None:
         return in_features
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"group_size must be a positive int or None, got {group_size!r}")
     if in_features % group_size:
         raise ValueError(
             f"group_size={group_size} does not divide the weight's {in_features} inputs"
@@ -57,11 +62,7 @@ def _check(bits: int, group_size: int | None, in_features: int) -> int:
 
 def _check_weight(weight: Tensor) -> None:
     """A float matrix of finite numbers (one read back: quantizing is done once)."""
-    check_tensor("weight", weight)
-    if weight.dim() != 2 or not weight.dtype.is_floating_point:
-        raise ValueError(
-            f"weight must be a float (out, in) matrix, got {weight.dtype} {tuple(weight.shape)}"
-        )
+    check_tensor("weight", weight, kind="float", dims=2, shape="(out, in)")
     if not bool(weight.isfinite().all()):
         raise ValueError("weight holds inf or NaN: its scales and integers would be NaN")
 
