@@ -29,7 +29,8 @@ from torch import nn
 from bench.cli import Settings
 from bench.llama import MODELS, build_pair
 from bench.timing import interleaved, sync
-from transformer_tutorial.lm.comparison import COMPARED, prepare_data, train_for, validation_loss
+from transformer_tutorial.experiments.comparison import COMPARED, prepare_data
+from transformer_tutorial.experiments.harness import train_for, validation_loss
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.sampling import generate

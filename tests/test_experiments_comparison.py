@@ -1,6 +1,7 @@
-"""lm_comparison: the two compared models hold the same number of weights and differ only in
-their choices; train_for keeps its budget (steps or seconds), lowers the loss and records it;
-records merge; bad names are refused. (The corpus run itself: chapter 17 and its record.)"""
+"""experiments.comparison: the two compared models hold the same number of weights and differ
+only in their choices; records merge; the shipped record holds both runs; bad names are refused.
+(The training loop: test_experiments_harness; the corpus run itself: chapter 17 and its
+record.)"""
 
 from __future__ import annotations
 
@@ -10,27 +11,14 @@ import pytest
 import torch
 
 from helpers import bad_command_line, raises
-from transformer_tutorial import data
-from transformer_tutorial.lm.comparison import (
+from transformer_tutorial.experiments.comparison import (
     COMPARED,
     comparison_config,
+    load_comparison_record,
     main,
-    train_for,
 )
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.model import LanguageModel
-
-V = 40
-
-
-def sentences(n: int, seed: int = 0) -> list[list[int]]:
-    """``<bos>`` and a run of counting tokens ``<eos>``: easy to learn."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        start, length = torch.randint(4, 20, (1,), generator=g).item(), 6
-        rows.append([data.BOS_ID, *range(start, start + length), data.EOS_ID])
-    return rows
 
 
 def test_both_sides_hold_the_same_weights_and_differ_only_in_their_choices():
@@ -51,31 +39,13 @@ def test_both_sides_hold_the_same_weights_and_differ_only_in_their_choices():
     )
 
 
-def test_train_for_keeps_a_step_budget_and_lowers_the_loss():
-    torch.manual_seed(0)
-    model = LanguageModel(
-        LMConfig(vocab_size=V, d_model=32, n_heads=4, n_layers=1, d_ff=64, max_len=16, dropout=0.0)
-    )
-    val = data.pad_batch(sentences(20, seed=1))
-    result = train_for(
-        model, sentences(200), val, seconds=60.0, max_steps=120, evaluations=4, max_tokens=128
-    )
-    assert result["steps"] == 120 and len(result["val"]) == 5 and len(result["train"]) == 4
-    steps = [s for _, s, _ in result["val"]]
-    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == 120
-    first, last = result["val"][0][2], result["val"][-1][2]
-    assert last < first - 1.0, (first, last)
-    assert not model.training
-
-
-def test_train_for_keeps_a_time_budget():
-    model = LanguageModel(
-        LMConfig(vocab_size=V, d_model=16, n_heads=2, n_layers=1, d_ff=32, max_len=16)
-    )
-    val = data.pad_batch(sentences(4, seed=1))
-    result = train_for(model, sentences(50), val, seconds=0.3, evaluations=2, max_tokens=64)
-    assert result["train_seconds"] >= 0.3 and result["steps"] >= 1
-    assert result["val"][-1][0] >= 0.3
+def test_the_shipped_record_holds_both_runs_at_the_same_cpu_time():
+    record = load_comparison_record()
+    runs = record["runs"]
+    assert set(runs) == set(COMPARED) and len(record["commands"]) == 2
+    assert abs(runs["llama"]["cpu_seconds"] / runs["gpt2"]["cpu_seconds"] - 1) < 0.01
+    for run in runs.values():
+        assert run["steps"] == run["val"][-1][1] and len(run["train"]) == len(run["val"]) - 1
 
 
 def test_records_merge(tmp_path):
@@ -95,8 +65,6 @@ def test_records_merge(tmp_path):
     ("call", "error", "phrase"),
     [
         (lambda: comparison_config("gpt3", 10), ValueError, "name must be one of"),
-        (lambda: train_for(None, [], None, seconds=0.0), ValueError, "seconds must be"),
-        (lambda: train_for(None, [], None, seconds=1.0, max_steps=0), ValueError, "max_steps"),
     ],
 )
 def test_bad_input_is_refused(call, error, phrase):

@@ -1,6 +1,6 @@
-"""length_experiment: streams cut into windows, the loss per position equals the mean next-token
-loss, the scalings are the ones the record names, and the shipped record loads whole (the run
-itself: chapter 18 and results/rope_scaling)."""
+"""experiments.length_experiment: streams cut into windows, the loss per position equals the
+mean next-token loss, the scalings are the ones the record names, and the shipped record loads
+whole (the run itself: chapter 18 and results/rope_scaling)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import bad_command_line, raises
-from transformer_tutorial.lm.length_experiment import (
+from transformer_tutorial.experiments.length_experiment import (
     FINE_TUNED,
     MULTIPLES,
     SCALINGS,
@@ -69,7 +69,7 @@ def test_the_shipped_record_loads_and_is_the_results_copy():
         assert len(result["per_position"]) == TRAIN_LEN * max(MULTIPLES) - 1
     assert record["base"]["config"]["max_len"] == TRAIN_LEN * max(MULTIPLES)
     assert record["train_command"][2] == "transformer_tutorial.length_experiment"  # as recorded
-    assert "python -m transformer_tutorial.lm.length_experiment" in record["note"]  # and now
+    assert "python -m transformer_tutorial.experiments.length_experiment" in record["note"]
     assert record["fine_tune_seconds"] == pytest.approx(
         max(r["train_seconds"] for r in record["fine_tunes"].values()), rel=0.05
     )

@@ -1,7 +1,8 @@
-"""moe_balancing: the same seed gives the same weights and batches with and without the bias
-update; the update moves only the correction bias (never at step size 0) and evens the load
-within a short run; the batches follow a skewed chain; imbalance's measures by hand; the record
-shipped with the package equals the results file and shows the load evening out."""
+"""experiments.moe_balancing: the same seed gives the same weights and batches with and
+without the bias update; the update moves only the correction bias (never at step size 0) and
+evens the load within a short run; the batches follow a skewed chain; imbalance's measures by
+hand; the record shipped with the package equals the results file and shows the load evening
+out."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 import torch
 
 from helpers import bad_command_line, raises
-from transformer_tutorial.lm import moe_balancing
-from transformer_tutorial.lm.moe_balancing import (
+from transformer_tutorial.experiments import moe_balancing
+from transformer_tutorial.experiments.moe_balancing import (
     STEP_SIZES,
     batches,
     imbalance,
@@ -59,6 +60,7 @@ def test_the_shipped_record_equals_the_results_file_and_shows_the_load_evening_o
     record = load_balancing_record()
     assert record == json.loads(RESULTS.read_text(encoding="utf-8"))
     assert record["command"][:3] == ["python", "-m", "transformer_tutorial.lm.moe_balancing"]
+    assert "python -m transformer_tutorial.experiments.moe_balancing" in record["note"]  # now
     runs = record["runs"]
     assert set(runs) == set(STEP_SIZES) and record["cpu_seconds"] < 60
     assert runs["without"]["load"][0] == runs["with"]["load"][0]  # the same start

@@ -1,7 +1,8 @@
 """moe_comparison: the mixture runs the dense model's active weights (plus its routers) and
-differs from it only in its feed-forward layers; train_for_cpu keeps its CPU budget, adds the
-load-balancing loss and lowers the loss; expert_load counts real tokens; records merge; the
-shipped record holds both runs at the same CPU time; bad names are refused."""
+differs from it only in its feed-forward layers; trained on the CPU clock with balancing_loss it
+keeps its budget, adds the load-balancing loss and lowers the loss; expert_load counts real
+tokens; records merge; the shipped record holds both runs at the same CPU time; bad names are
+refused."""
 
 from __future__ import annotations
 
@@ -12,17 +13,18 @@ import torch
 
 from helpers import bad_command_line, raises
 from transformer_tutorial import data
-from transformer_tutorial.lm.config import LMConfig
-from transformer_tutorial.lm.model import LanguageModel
-from transformer_tutorial.lm.moe_comparison import (
+from transformer_tutorial.experiments.harness import train_for
+from transformer_tutorial.experiments.moe_comparison import (
     COMPARED,
     active_parameters,
+    balancing_loss,
     comparison_config,
     expert_load,
     load_comparison_record,
     main,
-    train_for_cpu,
 )
+from transformer_tutorial.lm.config import LMConfig
+from transformer_tutorial.lm.model import LanguageModel
 
 V = 40
 
@@ -50,7 +52,22 @@ def test_the_mixture_runs_the_dense_models_active_weights():
     assert differ == moe_only | {"router_aux_loss_coef"}
 
 
-def test_train_for_cpu_keeps_its_budget_adds_the_aux_loss_and_lowers_the_loss():
+def train_for_cpu(model, train, val, *, cpu_seconds, **kwargs):
+    """How run_one trains a side: on the CPU clock, with the load-balancing loss."""
+    coef = model.config.router_aux_loss_coef
+    return train_for(
+        model,
+        train,
+        val,
+        seconds=cpu_seconds,
+        clock="cpu",
+        aux_loss=balancing_loss,
+        aux_weight=coef,
+        **kwargs,
+    )
+
+
+def test_trained_on_cpu_time_it_keeps_its_budget_adds_the_aux_loss_and_lowers_the_loss():
     torch.manual_seed(0)
     config = LMConfig(vocab_size=V, **(COMPARED["moe"] | dict(max_len=16)))
     model = LanguageModel(config)
@@ -107,7 +124,7 @@ def test_expert_load_of_a_sigmoid_router_counts_the_experts_it_chose():
         assert layer_load[:2] == [real, real] and sum(layer_load) == 2 * real
 
 
-def test_train_for_cpu_refuses_a_sigmoid_router_and_leaves_it_untrained():
+def test_balancing_loss_refuses_a_sigmoid_router_and_leaves_it_untrained():
     model = sigmoid_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     train, val = sentences(8), data.pad_batch(sentences(4, seed=1))

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from helpers import bad_command_line, raises
-from transformer_tutorial.lm.model import LanguageModel
-from transformer_tutorial.lm.speculative_comparison import (
+from transformer_tutorial.experiments.speculative_comparison import (
     KS,
     comparison_config,
     load_comparison_record,
     main,
 )
+from transformer_tutorial.lm.model import LanguageModel
 
 
 def test_the_target_is_four_times_the_draft():

@@ -14,8 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers import raises
-from transformer_tutorial import distributed, sharding
+from transformer_tutorial import distributed
 from transformer_tutorial.checkpoint import CheckpointError
+from transformer_tutorial.lm import sharding
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
 from transformer_tutorial.lm.sampling import generate

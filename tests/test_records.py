@@ -1,14 +1,20 @@
 """Chapter 10's run records: saved and loaded unchanged, described in a few lines without local
-paths, and the reference record shipped with the package equal to the results file."""
+paths, and the reference record shipped with the package equal to the results file; every
+record a chapter reads is kept once in the repository and found by an installed wheel."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from helpers import raises
 from transformer_tutorial import records
 from transformer_tutorial.decode import BleuScore
 from transformer_tutorial.records import (
@@ -134,3 +140,90 @@ def test_describe_run_says_which_weights_were_scored():
         in text
     )
     assert f"validation loss 2.500; best.pt alone: BLEU {record.beam_name} 31.25" in text
+
+
+# --- every committed record a chapter reads, kept once (results/, bench/results/) and shipped --
+
+# The loaders the chapters call, and the repository file each reads.
+CHAPTER_RECORDS = {
+    "records.load_reference_record().to_json()": "results/multi30k_de_en/record.json",
+    "records.load_reference_bench()": records.REFERENCE_BENCH,
+    "comparison.load_comparison_record()": "results/lm_comparison/record.json",
+    "length_experiment.load_length_record()": "results/rope_scaling/record.json",
+    "moe_comparison.load_comparison_record()": "results/moe_comparison/record.json",
+    "moe_balancing.load_balancing_record()": "results/moe_balancing/record.json",
+    "speculative_comparison.load_comparison_record()": "results/speculative/record.json",
+    "sft_run.load_sft_record(1)": "results/sft_translation/record.json",
+    "sft_run.load_sft_record(4)": "results/sft_translation/record_x4.json",
+    "dpo_run.load_dpo_record()": "results/dpo/record.json",
+    "grpo_run.load_grpo_record()": "results/grpo_digits/record.json",
+}
+IMPORTS = """
+import json, sys
+from transformer_tutorial import records
+from transformer_tutorial.experiments import (
+    comparison, length_experiment, moe_balancing, moe_comparison, speculative_comparison,
+)
+from transformer_tutorial.tuning import dpo_run, grpo_run, sft_run
+"""
+
+
+def test_shipped_record_reads_the_checkout_and_refuses_other_places():
+    for path in CHAPTER_RECORDS.values():
+        want = json.loads((ROOT / path).read_text(encoding="utf-8"))
+        assert records.shipped_record(path) == want
+    outside = "src/transformer_tutorial/reference_run.json"
+    raises(lambda: records.shipped_record(outside), ValueError, "path must lie in one of")
+    missing = "results/none/record.json"
+    raises(lambda: records.shipped_record(missing), FileNotFoundError, repr(missing))
+
+
+def test_the_package_ships_each_results_folder_as_a_data_package():
+    """pyproject.toml lists every results/ folder holding a record (setuptools ships data files
+    in listed packages only) and maps both folders of records into the package."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {p.parent.name for p in (ROOT / "results").glob("*/record.json")}
+    listed = {p.rsplit(".", 1)[1] for p in setuptools["packages"] if ".results." in p}
+    assert listed == folders
+    mapped = {
+        v: k.removeprefix("transformer_tutorial.") for k, v in setuptools["package-dir"].items()
+    }
+    assert all(mapped[folder] == name for folder, name in records.SHIPPED_FOLDERS.items())
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_finds_every_record_the_chapters_read(tmp_path):
+    """Built as CI builds it (scripts/run_tests.py) and installed alone into an empty folder,
+    the package reads each record from inside itself: equal to the repository's file, with no
+    other JSON, weights or figures shipped."""
+    wheels, site = tmp_path / "wheel", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), str(ROOT)], check=True)
+    wheel = next(wheels.glob("*.whl"))
+    data = [n for n in zipfile.ZipFile(wheel).namelist() if not n.endswith(".py")]
+    data = [n for n in data if ".dist-info/" not in n]
+    shipped = {n.removeprefix("transformer_tutorial/") for n in data}
+    want = {path.replace("bench/results/", "bench_results/") for path in CHAPTER_RECORDS.values()}
+    assert shipped == want | {"multi30k_sha256sums.txt"}
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True)
+    script = (
+        IMPORTS
+        + f"""
+assert records.__file__.startswith({str(site)!r}), records.__file__
+for call in {list(CHAPTER_RECORDS)!r}:
+    value = eval(call)
+    print(json.dumps(json.loads(value) if isinstance(value, str) else value))
+"""
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    for line, path in zip(out, CHAPTER_RECORDS.values(), strict=True):
+        assert json.loads(line) == json.loads((ROOT / path).read_text(encoding="utf-8")), path

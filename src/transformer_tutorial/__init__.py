@@ -24,7 +24,10 @@ floating-point operations), ``checks`` (argument validation, the command lines' 
 ``versions`` (what a chapter's setup cell requires installed), ``plotting`` (the book's figures),
 ``tiled_attention`` (chapter 22: the online softmax, FlashAttention-2's tiled forward and
 backward), ``quantization`` and ``lora`` (chapter 24: weight-only int8/int4 layers, a low-rank
-update beside frozen weights) and ``sharding`` (chapter 25: FSDP2 across processes).
+update beside frozen weights). The measured runs of chapters 17–23 (command lines that train and
+time language models and write the records the chapters read) live apart from the library, in
+the subpackage ``experiments``; their records are kept in the repository's ``results/`` and
+shipped inside the package (``records.shipped_record``).
 
 Shape vocabulary, batch-first everywhere:
 

@@ -74,12 +74,13 @@ def train_for(
     ``aux_loss``, each step runs the model through it and adds ``aux_weight`` × its auxiliary
     loss (where it returns one) to the next-token loss.
 
-    Returns ``{"steps", "tokens", "train_seconds", "cpu_seconds", "loop_cpu_seconds", "val":
+    Returns the part of a record the committed records keep: ``{"steps", "tokens", "val":
     [[seconds on clock, step, loss], ...], "train": [mean loss of each block of steps between
-    evaluations]}``, and with ``aux_loss`` ``"aux"``: the mean auxiliary loss of each block
-    (None where there was none). ``train_seconds`` and ``cpu_seconds`` are the wall-clock and
-    the process's CPU time of the training steps; ``loop_cpu_seconds`` the CPU time of the whole
-    loop, validations included (on a shared machine, what a wall-clock budget actually bought).
+    evaluations]}``, with ``aux_loss`` ``"aux"`` (the mean auxiliary loss of each block, None
+    where there was none), and the times: on the wall clock ``"train_seconds"`` (the steps')
+    and ``"cpu_seconds"`` (the process's CPU time over the whole loop, validations included: on
+    a shared machine, what the wall-clock budget actually bought); on the CPU clock
+    ``"cpu_seconds"`` (the steps', the budget) and ``"wall_seconds"`` (the steps').
     """
     check_number("seconds", seconds, low=0.0, low_open=True)
     if clock not in CLOCKS:
@@ -135,11 +136,8 @@ def train_for(
                 history["aux"].append(sum(aux_block) / len(aux_block) if aux_block else None)
             block, aux_block = [], []
     model.eval()
-    return dict(
-        steps=step,
-        tokens=tokens,
-        train_seconds=wall,
-        cpu_seconds=cpu,
-        loop_cpu_seconds=time.process_time() - loop_start,
-        **history,
-    )
+    if clock == "wall":
+        times = dict(train_seconds=wall, cpu_seconds=time.process_time() - loop_start)
+    else:
+        times = dict(cpu_seconds=cpu, wall_seconds=wall)
+    return dict(steps=step, tokens=tokens, **times, **history)

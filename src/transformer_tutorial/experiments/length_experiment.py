@@ -5,21 +5,18 @@ English side of Multi30k (the sentences, each ``<bos> … <eos>``, joined into o
 its loss at every position is measured on validation windows 1, 2, 4 and 8 times as long:
 with its rotary frequencies unchanged, with them interpolated (``"linear"``) and with YaRN, and
 after a short fine-tune at the longest length.
-``python -m transformer_tutorial.lm.length_experiment --stage train`` trains the model and keeps
-its weights; ``--stage extend`` measures, fine-tunes and writes the record the
-chapter plots (:func:`load_length_record`).
+``python -m transformer_tutorial.experiments.length_experiment --stage train`` trains the model
+and keeps its weights; ``--stage extend`` measures, fine-tunes and writes the record the
+chapter plots (:func:`load_length_record`). Both train with chapter 17's recipe
+(:func:`~transformer_tutorial.experiments.harness.train_for`).
 
 Shapes: windows ``(N, L)`` of token ids; losses per position ``(L,)``.
 """
 
 from __future__ import annotations
 
-import json
 import random
-import sys
 from collections.abc import Sequence
-from datetime import datetime, timezone
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -35,12 +32,13 @@ from transformer_tutorial.checks import (
     out_file_arg,
     read_record,
 )
-from transformer_tutorial.lm.comparison import COMPARED, prepare_data, train_for
+from transformer_tutorial.experiments.comparison import COMPARED, prepare_data
+from transformer_tutorial.experiments.harness import load_record, train_for, write_record
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.rope_scaling import RopeScaling
 from transformer_tutorial.multi30k import load_split
-from transformer_tutorial.provenance import git_commit, load_average, machine
+from transformer_tutorial.provenance import finish_record, start_record
 
 TRAIN_LEN = 64  # the length the model is trained at
 MULTIPLES = (1, 2, 4, 8)  # the lengths it is read at, in units of TRAIN_LEN
@@ -52,7 +50,7 @@ SCALINGS = {  # each method's rope scaling (None: the frequencies it was trained
     "yarn": RopeScaling("yarn", factor=FACTOR, original_max_position_embeddings=TRAIN_LEN),
 }
 FINE_TUNED = ("none", "yarn")  # fine-tuned at the longest length: the control, and YaRN
-RECORD_FILE = "length_experiment_run.json"  # the record, shipped with the package
+RECORD = "rope_scaling"  # the record: results/rope_scaling/record.json
 
 
 def experiment_config(vocab_size: int, **changes) -> LMConfig:
@@ -159,19 +157,9 @@ def extend(state_path: Path, seconds: float, seed: int) -> dict:
     return {"evaluations": evaluations, "fine_tunes": fine_tunes}
 
 
-def _provenance() -> dict:
-    return {
-        "git": git_commit(),
-        "hardware": {**machine(), "load_average": load_average()},
-        "torch": torch.__version__,
-        "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def load_length_record() -> dict:
-    """The experiment's record shipped with the package (see ``results/rope_scaling``)."""
-    text = resources.files("transformer_tutorial").joinpath(RECORD_FILE).read_text()
-    return json.loads(text)
+    """The experiment's record, shipped with the package (``results/rope_scaling``)."""
+    return load_record(RECORD)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -182,19 +170,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--state", type=Path, required=True, help="the trained weights (.pt)")
     parser.add_argument("--out", type=out_file_arg, required=True)
     args = parser.parse_args(argv)
-    command = ["python", "-m", "transformer_tutorial.lm.length_experiment", *sys.argv[1:]]
+    provenance = start_record("transformer_tutorial.experiments.length_experiment")
+    command = provenance.pop("command")  # each stage keeps its command and provenance
     if args.stage == "train":
-        record = {"train_command": command, "train_provenance": _provenance(), "seed": args.seed}
+        record = {"train_command": command, "train_provenance": provenance, "seed": args.seed}
         record["base"] = train_base(args.state, args.seconds, args.seed)
     else:
         if not args.state.is_file():
             parser.error(f"argument --state: {str(args.state)!r} is not a file (train first)")
         record = read_record(parser, "--out", args.out, ("base",))  # the training stage's
-        record |= {"extend_command": command, "extend_provenance": _provenance()}
+        record |= {"extend_command": command, "extend_provenance": provenance}
         record["fine_tune_seconds"] = args.seconds
         record |= extend(args.state, args.seconds, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    finish_record(provenance)
+    write_record(args.out, record)
 
 
 if __name__ == "__main__":

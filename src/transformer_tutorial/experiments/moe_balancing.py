@@ -10,25 +10,24 @@ chain over :data:`VOCAB` tokens whose words are far from equally frequent (:func
 Every :data:`EVERY` steps each run's load on a held-out batch is recorded: the tokens each
 expert receives, their coefficient of variation (standard deviation / mean) and the maximal
 violation ``max load / mean load - 1`` (Wang et al. 2024's MaxVio). ``python -m
-transformer_tutorial.lm.moe_balancing --out FILE`` writes the record (under a minute on one CPU
-thread).
+transformer_tutorial.experiments.moe_balancing --out FILE`` writes the record (under a minute on
+one CPU thread).
 
 Shapes: batches ``(B, T)`` of token ids; loads ``(E,)``.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator, Sequence
-from importlib import resources
 
 import torch
 
 from transformer_tutorial.checks import ArgumentParser, check_int, check_number, out_file_arg
+from transformer_tutorial.experiments.harness import load_record, write_record
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel, next_token_loss
-from transformer_tutorial.lm.moe import DeepSeekMoE, update_correction_bias
+from transformer_tutorial.lm.moe import update_correction_bias
 from transformer_tutorial.provenance import finish_record, start_record
 
 VOCAB = 64
@@ -59,7 +58,7 @@ STEP_SIZE = 0.001  # γ: DeepSeek-V3's for its first 14.3 T tokens
 # The runs: without the update, with it, and with a step 10 times larger.
 STEP_SIZES = {"without": 0.0, "with": STEP_SIZE, "ten_times": 10 * STEP_SIZE}
 BATCH = (16, 32)  # (B, T)
-RECORD_FILE = "moe_balancing_run.json"  # the record, shipped with the package
+RECORD = "moe_balancing"  # the record: results/moe_balancing/record.json
 
 
 def batches(seed: int, *, batch: tuple[int, int] = BATCH) -> Iterator[torch.Tensor]:
@@ -84,7 +83,7 @@ def expert_loads(model: LanguageModel, ids: torch.Tensor) -> list[torch.Tensor]:
     """The tokens each of ``model``'s DeepSeek mixtures sends to each expert for ``ids``,
     chosen as the model chooses them (correction bias included): one ``(E,)`` a mixture."""
     _, routers = model.forward_with_router_logits(ids)
-    mixtures = [layer.ff for layer in model.layers if isinstance(layer.ff, DeepSeekMoE)]
+    mixtures = [layer.ff for layer in model.layers if layer.sparse]
     return [
         torch.bincount(moe.route(logits.detach())[1].flatten(), minlength=logits.size(-1))
         for moe, logits in zip(mixtures, routers, strict=True)
@@ -125,7 +124,7 @@ def train(
     model = LanguageModel(LMConfig(**CONFIG))
     held_out = next(batches(seed + 1, batch=(64, BATCH[1])))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    mixtures = [layer.ff for layer in model.layers if isinstance(layer.ff, DeepSeekMoE)]
+    mixtures = [layer.ff for layer in model.layers if layer.sparse]
     losses, block, loads, stream = [], [], [], batches(seed)
     for step in range(steps + 1):
         if step % every == 0:
@@ -158,22 +157,20 @@ def run(*, steps: int = STEPS) -> dict:
 
 
 def load_balancing_record() -> dict:
-    """The record shipped with the package (see ``results/moe_balancing``)."""
-    text = resources.files("transformer_tutorial").joinpath(RECORD_FILE).read_text()
-    return json.loads(text)
+    """The record, shipped with the package (``results/moe_balancing``)."""
+    return load_record(RECORD)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=out_file_arg, required=True)
     args = parser.parse_args(argv)
-    record = start_record("transformer_tutorial.lm.moe_balancing")
+    record = start_record("transformer_tutorial.experiments.moe_balancing")
     start = time.process_time()
     record |= {"config": CONFIG, "step_sizes": STEP_SIZES, "batch": list(BATCH)}
     record["runs"] = run()
     record["cpu_seconds"] = round(time.process_time() - start, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(finish_record(record), indent=1) + "\n")
+    write_record(args.out, finish_record(record))
 
 
 if __name__ == "__main__":

@@ -3,23 +3,20 @@ side of Multi30k, then speculative decoding measured with them.
 
 :data:`COMPARED` holds the two configurations: the target, a Llama-style model twice
 chapter 17's in width and depth, and the draft, chapter 17's Llama-style model itself. Both are
-trained with chapter 17's recipe (:func:`~transformer_tutorial.lm.comparison.train_for`) for a
-budget of wall-clock seconds; ``python -m transformer_tutorial.lm.speculative_comparison --model
-{target,draft}`` trains one and saves its weights, ``--measure`` loads both and times greedy
-decoding with and without the draft, writing the record the chapter reads.
+trained with chapter 17's recipe (:func:`~transformer_tutorial.experiments.harness.train_for`)
+for a budget of wall-clock seconds; ``python -m
+transformer_tutorial.experiments.speculative_comparison --model {target,draft}`` trains one and
+saves its weights, ``--measure`` loads both and times greedy decoding with and without the
+draft, writing the record the chapter reads.
 
 Shapes: sentences are lists of ids ``<bos> … <eos>``; prompts ``(1, T0)``.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from functools import partial
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -32,13 +29,14 @@ from transformer_tutorial.checks import (
     out_file_arg,
     read_record,
 )
-from transformer_tutorial.lm.comparison import COMPARED as LM_COMPARED
-from transformer_tutorial.lm.comparison import prepare_data, train_for
+from transformer_tutorial.experiments.comparison import COMPARED as LM_COMPARED
+from transformer_tutorial.experiments.comparison import prepare_data
+from transformer_tutorial.experiments.harness import load_record, train_for, write_record
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.sampling import generate
 from transformer_tutorial.lm.speculative import speculative_generate
-from transformer_tutorial.provenance import git_commit, load_average, machine
+from transformer_tutorial.provenance import finish_record, start_record
 
 DRAFT = LM_COMPARED["llama"]  # chapter 17's Llama-style model: D 96, 2 layers
 COMPARED = {
@@ -46,7 +44,8 @@ COMPARED = {
     "target": dict(DRAFT, d_model=192, n_heads=6, n_kv_heads=2, n_layers=4, d_ff=512),
 }
 KS = (2, 4, 6)  # draft tokens a round, measured
-RECORD_FILE = "speculative_comparison_run.json"  # the run's record, shipped with the package
+MODULE = "transformer_tutorial.experiments.speculative_comparison"
+RECORD = "speculative"  # the run's record: results/speculative/record.json
 
 
 def comparison_config(name: str, vocab_size: int) -> LMConfig:
@@ -116,9 +115,8 @@ def measure(
 
 
 def load_comparison_record() -> dict:
-    """The run's record shipped with the package."""
-    text = resources.files("transformer_tutorial").joinpath(RECORD_FILE).read_text()
-    return json.loads(text)
+    """The run's record, shipped with the package (``results/speculative``)."""
+    return load_record(RECORD)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -137,45 +135,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         missing = [n for n in COMPARED if not (args.measure / f"{n}.pt").is_file()]
         if missing:
             parser.error(f"argument --measure: {str(args.measure)!r} lacks {missing} .pt weights")
+        provenance = start_record(MODULE)
         record = {
             "commands": [run["command"] for run in runs.values()],
             "runs": {n: run["run"] for n, run in runs.items()},
-            "hardware": {**machine(), "load_average_at_start": load_average()},
-            "measure_command": [
-                "python",
-                "-m",
-                "transformer_tutorial.lm.speculative_comparison",
-                *sys.argv[1:],
-            ],
-            "git": git_commit(),
-            "torch": torch.__version__,
+            "measure_command": provenance.pop("command"),
+            **provenance,
         }
         record["decoding"] = measure(args.measure)
-        record["hardware"]["load_average_at_end"] = load_average()
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        write_record(args.out, finish_record(record))
         return
     if args.model is None:
         parser.error("--model is required unless --measure is given")
-    record = {
-        "command": [
-            "python",
-            "-m",
-            "transformer_tutorial.lm.speculative_comparison",
-            *sys.argv[1:],
-        ],
-        "git": git_commit(),
-        "hardware": {**machine(), "load_average_at_start": load_average()},
-        "torch": torch.__version__,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+    record = start_record(MODULE)
     weights = args.out.with_suffix(".pt")
     start = time.perf_counter()
     record["run"] = train_one(args.model, args.seconds, weights, seed=args.seed)
     record["wall_seconds"] = time.perf_counter() - start
-    record["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    record["hardware"]["load_average_at_end"] = load_average()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    write_record(args.out, finish_record(record))
 
 
 if __name__ == "__main__":

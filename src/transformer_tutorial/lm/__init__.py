@@ -13,7 +13,7 @@ Imports run one way, from the config at the bottom up to the model and what uses
 - weights: ``gpt2_weights``, ``hf_weights`` (Llama, Qwen3), ``moe_weights`` (Qwen3-MoE),
   ``deepseek_weights`` (DeepSeek-V3, dense or with its mixture of experts), ``pretrained``
   (checkpoint folders, chapter 19, over ``checkpoint_files``: the folder's files themselves).
-- measured runs, each a command line with a record shipped in the package: ``comparison``
-  (chapter 17), ``length_experiment`` (18), ``moe_comparison`` and ``moe_balancing`` (20),
-  ``speculative_comparison`` (23).
+- ``sharding`` (chapter 25): the model sharded across processes with FSDP2.
+
+The measured runs of chapters 17–23 live apart, in :mod:`transformer_tutorial.experiments`.
 """

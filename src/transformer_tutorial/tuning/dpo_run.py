@@ -28,7 +28,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import sacrebleu
@@ -49,6 +48,7 @@ from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.sampling import generate
 from transformer_tutorial.multi30k import load_split
 from transformer_tutorial.provenance import finish_record, start_record
+from transformer_tutorial.records import shipped_record
 from transformer_tutorial.tuning.chat import (
     add_chat_tokens,
     apply_chat_template,
@@ -79,7 +79,7 @@ HELD_BACK = 4000  # the last training pairs: never fine-tuned on, prompts for th
 MAX_NEW_TOKENS = 60  # a translation's budget in tokens
 BETAS = (0.05, 0.1, 0.5)
 DPO_BATCH = 16  # pairs a DPO step
-RECORD_FILE = "dpo_run.json"  # the record, shipped with the package
+RECORD_FILE = "results/dpo/record.json"  # the record, shipped with the package
 
 
 @dataclass(frozen=True)
@@ -419,8 +419,7 @@ def run(
 
 def load_dpo_record() -> dict:
     """The record shipped with the package (``results/dpo/record.json``)."""
-    text = resources.files("transformer_tutorial").joinpath(RECORD_FILE).read_text()
-    return json.loads(text)
+    return shipped_record(RECORD_FILE)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -29,7 +29,6 @@ import copy
 import json
 import time
 from collections.abc import Callable, Sequence
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -41,6 +40,7 @@ from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.sampling import generate
 from transformer_tutorial.provenance import finish_record, start_record
+from transformer_tutorial.records import shipped_record
 from transformer_tutorial.tuning.grpo import (
     completion_logprobs,
     completion_mask,
@@ -74,7 +74,7 @@ SETTINGS = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type="dr_grp
 ITERATIONS = 2  # updates on each sampled batch (TRL's num_iterations): the clip has work to do
 LR = 3e-4
 MEASURES = ("reward", "exact", "length", "truncated", "kl")  # recorded at each step
-RECORD_FILE = "grpo_digits_run.json"  # the record, shipped with the package
+RECORD_FILE = "results/grpo_digits/record.json"  # the record, shipped with the package
 
 
 def prompts(n: int, length: int, generator: torch.Generator) -> Tensor:
@@ -253,8 +253,7 @@ def run(*, seeds: Sequence[int] = (0,), steps: int = STEPS, deadline: float | No
 
 def load_grpo_record() -> dict:
     """The record shipped with the package (see ``results/grpo_digits``)."""
-    text = resources.files("transformer_tutorial").joinpath(RECORD_FILE).read_text()
-    return json.loads(text)
+    return shipped_record(RECORD_FILE)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -41,6 +40,7 @@ from transformer_tutorial.lm.sampling import generate
 from transformer_tutorial.model import Transformer
 from transformer_tutorial.multi30k import load_split
 from transformer_tutorial.provenance import finish_record, start_record
+from transformer_tutorial.records import shipped_record
 from transformer_tutorial.tuning.chat import (
     ChatTokens,
     add_chat_tokens,
@@ -63,7 +63,11 @@ ROWS = 8  # rows a step: 1,024 tokens, as the baseline's batches of 1,000
 MAX_NEW_TOKENS = 80  # an answer's budget when decoding
 # The committed runs' records, shipped with the package, by their budget: the FLOPs of 600 and
 # of 2,400 steps of chapter 10's CPU translator (its own run, and four times it).
-RECORD_FILES = {1: "sft_translation_run.json", 4: "sft_translation_x4_run.json"}
+# The committed records, shipped with the package: chapter 10's budget and four times it.
+RECORD_FILES = {
+    1: "results/sft_translation/record.json",
+    4: "results/sft_translation/record_x4.json",
+}
 
 
 def sft_config(vocab_size: int, *, dropout: float = 0.0) -> LMConfig:
@@ -237,8 +241,7 @@ def load_sft_record(budget: int = 1) -> dict:
     ``budget`` 1 for the FLOPs of chapter 10's own 600 steps, 4 for four times them."""
     if budget not in RECORD_FILES:
         raise ValueError(f"budget must be one of {sorted(RECORD_FILES)}, got {budget!r}")
-    text = resources.files("transformer_tutorial").joinpath(RECORD_FILES[budget]).read_text()
-    return json.loads(text)
+    return shipped_record(RECORD_FILES[budget])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
