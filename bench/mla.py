@@ -1,7 +1,7 @@
 """Section 8: chapter 21's latent attention, one decoding step in its absorbed form ÷ the same
 step unabsorbed, after a cache of ``S`` positions: the layer alone, then through the model.
 
-Both forms read the same :class:`~transformer_tutorial.lm.cache.LatentKVCache` (the
+Both forms read the same :class:`~transformer_tutorial.lm.cache.SequenceBuffers` (the
 latents and the rotary key) and give the same output, compared before any timing. The
 unabsorbed step up-projects every cached latent to ``H`` keys and values; the absorbed one
 folds the key's up-projection into the query and attends over the latents themselves. One
@@ -19,7 +19,7 @@ import torch
 
 from bench.cli import Settings
 from bench.timing import interleaved
-from transformer_tutorial.lm.cache import LatentKVCache, LMCache
+from transformer_tutorial.lm.cache import LMCache, SequenceBuffers
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.deepseek_weights import DEEPSEEK
 from transformer_tutorial.lm.latent_attention import MultiHeadLatentAttention
@@ -54,13 +54,13 @@ def build(shape: tuple[int, ...], device: torch.device) -> MultiHeadLatentAttent
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
         v_head_dim=v,
-        positions=RotaryPositions(rope, max_len=cached + 1, layout="interleaved"),
+        rotary=RotaryPositions(rope, max_len=cached + 1, layout="interleaved"),
     )
     return mla.to(device).eval()
 
 
 def _step(
-    mla: MultiHeadLatentAttention, x: torch.Tensor, cache: LatentKVCache, absorbed: bool
+    mla: MultiHeadLatentAttention, x: torch.Tensor, cache: SequenceBuffers, absorbed: bool
 ) -> Callable[[], torch.Tensor]:
     """The timed call: one new token per row after the cache (a copy, so it stays as it was)."""
 
@@ -79,7 +79,7 @@ def bench_mla(s: Settings, device: torch.device) -> dict:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randn(batch, cached, d_model, generator=g).to(device)  # (B, S, D)
     x = torch.randn(batch, 1, d_model, generator=g).to(device)  # (B, 1, D)
-    cache = LatentKVCache()
+    cache = SequenceBuffers(mla.cache_layout)
     with torch.no_grad():  # the prompt in chunks: its scores stay (B, 1, H · CHUNK, S) at most
         for start in range(0, cached, CHUNK):
             mla(prompt[:, start : start + CHUNK], cache=cache, absorbed=True)

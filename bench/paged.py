@@ -1,13 +1,12 @@
-"""Section 10: the paged cache's overhead, greedy decoding with
-:func:`~transformer_tutorial.lm.paged_cache.paged_cache` ÷ the same with
-:func:`~transformer_tutorial.lm.paged_cache.preallocated_cache`, section 6's model (random
-weights, seed 0), one prompt length and batch 1 and 8.
+"""Section 10: the paged cache's overhead, greedy decoding with ``model.new_cache(B, "paged")``
+÷ the same with ``model.new_cache(B, "preallocated")``, section 6's model (random weights, seed
+0), one prompt length and batch 1 and 8.
 
-Both run :func:`~transformer_tutorial.lm.paged_cache.greedy_with_cache`, the only difference
-the cache: the preallocated one holds exactly the run's positions; the paged one has blocks of
-:data:`BLOCK_SIZE` positions, just enough of them for every row, and gathers each row's blocks
-at every step. The tokens are asserted equal before any timing (that run is the first untimed
-one).
+Both run :func:`~transformer_tutorial.lm.sampling.generate` with the ready cache, the only
+difference the cache: the preallocated one holds exactly the run's positions; the paged one has
+blocks of :data:`BLOCK_SIZE` positions, just enough of them for every row, and gathers each
+row's blocks at every step. The tokens are asserted equal before any timing (that run is the
+first untimed one).
 
 Then continuous batching's throughput: :data:`REQUESTS` requests of mixed prompt lengths and
 budgets, decoded by :func:`~transformer_tutorial.lm.paged_cache.continuous_greedy` (all of them
@@ -23,12 +22,7 @@ from bench.cli import Settings
 from bench.llama import MODELS
 from bench.timing import interleaved
 from transformer_tutorial.lm.model import LanguageModel
-from transformer_tutorial.lm.paged_cache import (
-    continuous_greedy,
-    greedy_with_cache,
-    paged_cache,
-    preallocated_cache,
-)
+from transformer_tutorial.lm.paged_cache import continuous_greedy
 from transformer_tutorial.lm.sampling import generate
 
 SIDES = ("preallocated", "paged")
@@ -56,13 +50,13 @@ def bench_paged(s: Settings, device: torch.device) -> dict:
         prompt = prompt.to(device)
         n_blocks = batch * -(-total // block_size)  # every row's blocks, none to spare
         caches = {
-            "preallocated": lambda b=batch: preallocated_cache(model, b, max_len=total),
-            "paged": lambda b=batch, nb=n_blocks: paged_cache(
-                model, b, n_blocks=nb, block_size=block_size
+            "preallocated": lambda b=batch: model.new_cache(b, "preallocated", max_len=total),
+            "paged": lambda b=batch, nb=n_blocks: model.new_cache(
+                b, "paged", n_blocks=nb, block_size=block_size
             ),
         }
         fns = {
-            side: lambda c=caches[side], p=prompt: greedy_with_cache(model, p, n, c())
+            side: lambda c=caches[side], p=prompt: generate(model, p, n, greedy=True, cache=c())
             for side in SIDES
         }
         outs = {side: fn() for side, fn in fns.items()}

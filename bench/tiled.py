@@ -19,7 +19,7 @@ from torch import Tensor
 
 from bench.cli import Settings
 from bench.timing import interleaved
-from transformer_tutorial.tiled_attention import tiled_attention
+from transformer_tutorial.lm.tiled_attention import tiled_attention
 
 SIDES = {"tiled": "tiled_attention", "sdpa": "F.sdpa"}
 SHAPE = {"batch": 1, "heads": 8, "d_head": 64}

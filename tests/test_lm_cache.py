@@ -1,5 +1,5 @@
 """lm.cache: a growing and a preallocated cache hold the same positions after any sequence of
-updates, windows and rewinds; the latent cache is the same machinery along its own axis; the
+updates, windows and rewinds; a latent layout is the same storage along its own axis; the
 model's cache counts the positions once and rewinds every layer. (Attention with caches:
 test_lm_grouped_attention.py, test_lm_latent_attention.py; the model: test_lm_model.py.)"""
 
@@ -9,9 +9,23 @@ import pytest
 import torch
 
 from helpers import raises
-from transformer_tutorial.lm.cache import GroupedKVCache, LatentKVCache, LMCache
+from transformer_tutorial.lm.cache import CacheLayout, LMCache, SequenceBuffers
 
 B, HKV, DH = 2, 3, 4
+
+
+def kv_layout(hkv: int = HKV, dh: int = DH) -> CacheLayout:
+    """Chapter 16's keys and values, (B, Hkv, S, Dh) each."""
+    return CacheLayout(("k", "v"), ((hkv, dh), (hkv, dh)), seq_dim=2)
+
+
+def latent_layout(width: int) -> CacheLayout:
+    """Chapter 21's latents, (B, S, width)."""
+    return CacheLayout(("latent",), ((width,),), seq_dim=1)
+
+
+def grouped(hkv: int = HKV, dh: int = DH) -> SequenceBuffers:
+    return SequenceBuffers(kv_layout(hkv, dh))
 
 
 def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +45,7 @@ SCRIPTS = {
 def test_growing_and_preallocated_hold_the_same_positions(script):
     """Every update returns the held positions, new ones last, agreeing with the positions
     written out by hand: all given, less the rewound, the last ``keep`` before the new ones."""
-    growing, prealloc = GroupedKVCache(), GroupedKVCache.preallocate(B, HKV, 16, DH)
+    growing, prealloc = grouped(), SequenceBuffers.preallocate(kv_layout(), B, 16)
     keys: list[torch.Tensor] = []  # the positions given and not rewound, by hand
     for seed, step in enumerate(script):
         if step[0] == "rewind":
@@ -56,27 +70,28 @@ def test_growing_and_preallocated_hold_the_same_positions(script):
     assert prealloc.preallocated and not growing.preallocated
 
 
-def test_the_latent_cache_is_the_same_machinery_along_its_own_axis():
+def test_a_latent_layout_is_the_same_storage_along_its_own_axis():
     """Latents (B, S, W): growing == preallocated; rewind; the buffer allocated once."""
-    growing, prealloc = LatentKVCache(), LatentKVCache.preallocate(B, 10, 7)
-    before = prealloc.latent.data_ptr()
+    layout = latent_layout(7)
+    growing, prealloc = SequenceBuffers(layout), SequenceBuffers.preallocate(layout, B, 10)
+    before = prealloc.buffers[0].data_ptr()
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randn(B, n, 7, generator=g) for n in (4, 1, 2)]
     for chunk in chunks:
-        a, b = growing.update(chunk), prealloc.update(chunk)
+        (a,), (b,) = growing.update(chunk), prealloc.update(chunk)
         assert torch.equal(a, b)
     assert torch.equal(a, torch.cat(chunks, 1)) and growing.seen == prealloc.seen == 7
     for cache in (growing, prealloc):
         cache.rewind(3)
-    assert torch.equal(growing.update(chunks[0]), prealloc.update(chunks[0]))
-    assert prealloc.latent.data_ptr() == before and prealloc.nbytes == B * 10 * 7 * 4
+    assert torch.equal(growing.update(chunks[0])[0], prealloc.update(chunks[0])[0])
+    assert prealloc.buffers[0].data_ptr() == before and prealloc.nbytes == B * 10 * 7 * 4
     raises(lambda: prealloc.update(torch.randn(B, 3, 7)), ValueError, "holds 10 positions")
 
 
 def test_a_kept_slice_owns_its_storage_and_rewinding_a_window_is_refused():
     """A growing cache past its window keeps only the last positions, in tensors of their own
     (the dropped ones freed); it cannot rewind what it dropped."""
-    cache = GroupedKVCache()
+    cache = grouped()
     k, v = kv(8, 0)
     cache.update(k, v, keep=3)
     assert cache.nbytes == 2 * B * HKV * 3 * DH * 4 and (cache.seen, cache.held) == (8, 3)
@@ -86,7 +101,11 @@ def test_a_kept_slice_owns_its_storage_and_rewinding_a_window_is_refused():
 
 
 def test_the_models_cache_counts_once_and_rewinds_every_layer():
-    layers = [GroupedKVCache(), GroupedKVCache.preallocate(B, HKV, 8, DH), LatentKVCache()]
+    layers = [
+        grouped(),
+        SequenceBuffers.preallocate(kv_layout(), B, 8),
+        SequenceBuffers(latent_layout(6)),
+    ]
     cache = LMCache(layers)
     k, v = kv(5, 1)
     for layer in layers[:2]:
@@ -100,9 +119,13 @@ def test_the_models_cache_counts_once_and_rewinds_every_layer():
 
 def test_bad_input_is_refused_by_name():
     raises(lambda: LMCache([]), ValueError, "one cache per layer")
-    raises(lambda: GroupedKVCache.preallocate(0, 1, 4, 2), ValueError, "batch_size")
-    raises(lambda: LatentKVCache.preallocate(1, 0, 4), ValueError, "max_len")
-    cache = GroupedKVCache()
+    raises(lambda: SequenceBuffers.preallocate(kv_layout(), 0, 4), ValueError, "batch_size")
+    raises(lambda: SequenceBuffers.preallocate(latent_layout(4), 1, 0), ValueError, "max_len")
+    raises(lambda: SequenceBuffers("keys"), TypeError, "layout must be a CacheLayout")
+    raises(lambda: CacheLayout(("k", "v"), ((2, 4),), 2), ValueError, "one shape per name")
+    raises(lambda: CacheLayout(("k",), ((2, 0),), 2), ValueError, "positive ints")
+    raises(lambda: CacheLayout(("k",), ((2, 4),), 4), ValueError, "seq_dim=4 is past")
+    cache = grouped()
     cache.update(*kv(2, 0))
     raises(lambda: cache.rewind(3), ValueError, "n=3 exceeds the 2 positions")
     raises(lambda: cache.update(*kv(1, 0), keep=-1), ValueError, "keep must be at least 0")
@@ -111,41 +134,46 @@ def test_bad_input_is_refused_by_name():
 # --- API probes (issue 42): each bad call, and what its error must say ------------------------
 
 
-def _grown(dh: int = 4) -> GroupedKVCache:
+def _grown(dh: int = 4) -> SequenceBuffers:
     """A growing cache holding 3 positions of (1, 2, ·, dh)."""
-    cache = GroupedKVCache()
+    cache = grouped(2, dh)
     cache.update(torch.randn(1, 2, 3, dh), torch.randn(1, 2, 3, dh))
     return cache
 
 
 CACHE_PROBES = {
     "3-D keys": (
-        lambda: GroupedKVCache().update(torch.randn(1, 2, 3), torch.randn(1, 2, 3)),
+        lambda: grouped(2, 3).update(torch.randn(1, 2, 3), torch.randn(1, 2, 3)),
         ValueError,
-        "k must be (B, Hkv, L, Dh), got shape (1, 2, 3)",
+        "k must be (B, 2, L, 3), got shape (1, 2, 3)",
     ),
     "keys and values of two shapes": (
-        lambda: GroupedKVCache().update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5)),
+        lambda: grouped(2, 4).update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 5)),
         ValueError,
-        "v (1, 2, 3, 5) must have k's shape (1, 2, 3, 4)",
+        "v must be (B, 2, L, 4), one B and one L for all, got (1, 2, 3, 5)",
+    ),
+    "values alone": (
+        lambda: grouped(2, 4).update(torch.randn(1, 2, 3, 4)),
+        ValueError,
+        "update takes 2 tensors (k, v), got 1",
     ),
     "more rows than preallocated": (
-        lambda: GroupedKVCache.preallocate(1, HKV, 8, DH).update(*kv(3, 0)),
+        lambda: SequenceBuffers.preallocate(kv_layout(), 1, 8).update(*kv(3, 0)),
         ValueError,
-        "k (2, 3, 3, 4) must match the cache's (B, Hkv, L, Dh) (1, 3, 8, 4) in every dimension",
+        "k has 2 rows; the cache holds 1: a cache serves the batch it started with",
     ),
     "another head width than held": (
         lambda: _grown().update(torch.randn(1, 2, 1, 5), torch.randn(1, 2, 1, 5)),
         ValueError,
-        "k (1, 2, 1, 5) must match the cache's (B, Hkv, L, Dh) (1, 2, 3, 4)",
+        "k must be (B, 2, L, 4), one B and one L for all, got (1, 2, 1, 5)",
     ),
     "another latent width than preallocated": (
-        lambda: LatentKVCache.preallocate(1, 8, 4).update(torch.randn(1, 2, 5)),
+        lambda: SequenceBuffers.preallocate(latent_layout(4), 1, 8).update(torch.randn(1, 2, 5)),
         ValueError,
-        "latent (1, 2, 5) must match the cache's (B, L, Dc + Dr) (1, 8, 4)",
+        "latent must be (B, L, 4), one B and one L for all, got (1, 2, 5)",
     ),
     "dtype a str": (
-        lambda: GroupedKVCache.preallocate(1, 2, 8, 4, dtype="float32"),
+        lambda: SequenceBuffers.preallocate(kv_layout(2, 4), 1, 8, dtype="float32"),
         TypeError,
         "dtype must be a torch.dtype such as torch.bfloat16 or None, got str",
     ),
@@ -153,7 +181,7 @@ CACHE_PROBES = {
     "layers of ints": (
         lambda: LMCache([1, 2]),
         TypeError,
-        "layers[0] must be a layer's cache (GroupedKVCache, LatentKVCache, PagedKVCache), got int",
+        "layers[0] must be a layer's cache (SequenceBuffers, PagedCache), got int",
     ),
 }
 
@@ -167,11 +195,11 @@ def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
 
 def test_a_refused_update_or_rewind_leaves_every_cache_as_it_was():
     cache = _grown()
-    k_before = cache.k.clone()
-    raises(lambda: cache.update(*kv(1, 0)), ValueError, "must match the cache's")
-    assert (cache.seen, cache.held) == (3, 3) and torch.equal(cache.k, k_before)
+    k_before = cache.buffers[0].clone()
+    raises(lambda: cache.update(*kv(1, 0)), ValueError, "must be (B, 2, L, 4)")
+    assert (cache.seen, cache.held) == (3, 3) and torch.equal(cache.buffers[0], k_before)
     # one layer with a sliding window that has dropped positions, one that holds them all
-    windowed = GroupedKVCache()
+    windowed = grouped(2, 4)
     windowed.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), keep=2)
     whole = LMCache([_grown(), windowed])
     raises(lambda: whole.rewind(1), ValueError, "dropped 1 older positions")

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from helpers import raises
-from transformer_tutorial.lm.config import ATTENTIONS, LLAMA, POSITIONS, QWEN3, LMConfig
+from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
+from transformer_tutorial.lm.registry import ATTENTIONS, POSITIONS
 from transformer_tutorial.lm.rope_scaling import RopeScaling
 
 
@@ -44,7 +45,7 @@ DYNAMIC = RopeScaling("dynamic", factor=2.0, original_max_position_embeddings=8)
         (
             dict(positions="learned", attention="mha", rope_scaling=LINEAR),
             ValueError,
-            "set positions='rope' (got 'learned')",
+            ": positions='rope' only; set positions='rope'",
         ),
         (dict(rope_scaling=LINEAR.to_parameters()), TypeError, "RopeScaling.from_parameters"),
         (dict(rope_scaling=DYNAMIC), ValueError, "keys already in a KV cache"),

@@ -17,17 +17,29 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from helpers import raises
 from transformer_tutorial.attention import MultiHeadAttention
-from transformer_tutorial.lm.cache import LatentKVCache
+from transformer_tutorial.lm import grouped_attention
+from transformer_tutorial.lm.cache import CacheLayout, SequenceBuffers
 from transformer_tutorial.lm.grouped_attention import (
-    GroupedKVCache,
     GroupedQueryAttention,
     kv_cache_bytes,
     repeat_kv,
 )
 from transformer_tutorial.lm.rotary import RotaryEmbedding, RotaryPositions, apply_rotary
-from transformer_tutorial.masks import causal_mask
+from transformer_tutorial.masks import causal_mask, merge_masks, sliding_window_causal_mask
 
 D, H, DH = 32, 4, 8
+
+
+def kv_cache(
+    n_kv_heads: int = 2, d_head: int = DH, *, preallocate: tuple = (), dtype=None
+) -> SequenceBuffers:
+    """An empty cache of chapter 16's keys and values: growing, or ``preallocate=(B, S)``."""
+    layout = CacheLayout(("k", "v"), ((n_kv_heads, d_head),) * 2, seq_dim=2)
+    if not preallocate:
+        return SequenceBuffers(layout)
+    return SequenceBuffers.preallocate(layout, *preallocate, dtype=dtype)
+
+
 TOL = dict(atol=1e-5, rtol=1e-5)
 LAYOUTS = [4, 2, 1]  # n_kv_heads: multi-head, grouped, multi-query
 
@@ -83,7 +95,7 @@ def _ours(
     config = _qwen3_config(n_kv_heads, window, d_head)
     positions = _book_rotary_hook(d_head) if book_rotary else _rotary_hook(config)
     return GroupedQueryAttention(
-        D, H, n_kv_heads, d_head=d_head, window=window, positions=positions, **kwargs
+        D, H, n_kv_heads, d_head=d_head, window=window, rotary=positions, **kwargs
     ).eval()
 
 
@@ -227,7 +239,7 @@ def test_qk_norm_before_the_positions_is_not_after_unless_the_weight_is_constant
         q, k = rotary(q, k, position_ids)
         return before.q_norm(q), before.k_norm(k)
 
-    after.positions = rotate_then_norm
+    after.rotary = rotate_then_norm
     x = torch.randn(2, 8, D)
     with torch.no_grad():
         torch.testing.assert_close(before(x), after(x), **TOL)  # weights all 1
@@ -236,7 +248,7 @@ def test_qk_norm_before_the_positions_is_not_after_unless_the_weight_is_constant
         assert (before(x) - after(x)).abs().max() > 1e-3
 
 
-def _decode(ours: GroupedQueryAttention, x: torch.Tensor, cache: GroupedKVCache, chunks):
+def _decode(ours: GroupedQueryAttention, x: torch.Tensor, cache: SequenceBuffers, chunks):
     out, start = [], 0
     for n in chunks:
         out.append(ours(x[:, start : start + n], cache=cache))
@@ -259,11 +271,7 @@ def test_cached_decoding_past_the_window_equals_recomputing(
     x = torch.randn(B, L, D)
     chunks = [4, 1, 1, 3, 1, 1, 1, 1, 1]
     capacity = L if window is None else window - 1 + max(chunks)
-    cache = (
-        GroupedKVCache.preallocate(B, n_kv_heads, capacity, d_head)
-        if preallocate
-        else GroupedKVCache()
-    )
+    cache = kv_cache(n_kv_heads, d_head, preallocate=(B, capacity) if preallocate else ())
     with torch.no_grad():
         torch.testing.assert_close(_decode(ours, x, cache, chunks), ours(x), **TOL)
     assert cache.seen == L
@@ -290,8 +298,7 @@ def test_the_calls_without_a_mask_tensor_equal_the_masked_attention(
         return sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
 
     def run() -> torch.Tensor:
-        cache = GroupedKVCache.preallocate(B, n_kv_heads, L, DH) if preallocate else None
-        cache = cache or GroupedKVCache()
+        cache = kv_cache(n_kv_heads, preallocate=(B, L) if preallocate else ())
         with torch.no_grad():
             return torch.cat([ours(x), _decode(ours, x, cache, [4, 1, 1, 3])], dim=1)
 
@@ -303,12 +310,16 @@ def test_the_calls_without_a_mask_tensor_equal_the_masked_attention(
     whole = (True, True) if window is None else (False, False)
     step = (True, False) if window is None or not preallocate else (False, False)
     assert calls == [whole, whole, step, step, (False, False)]
-    blocked = GroupedQueryAttention._blocked
-    monkeypatch.setattr(
-        GroupedQueryAttention,
-        "_allowed",
-        lambda self, B, L, S, seen, pad: (~blocked(self, B, L, S, seen, pad), False),
-    )
+
+    def explicit(B, L, S, pad, *, window, device):  # the mask tensor, always
+        if window is None:
+            blocked = causal_mask(L, S, device=device)
+        else:
+            blocked = sliding_window_causal_mask(L, S, window=window, device=device)
+        pad = None if pad is None else pad[:, -S:]
+        return ~merge_masks(blocked, pad, batch_size=B, q_len=L, k_len=S), False
+
+    monkeypatch.setattr(grouped_attention, "sdpa_mask", explicit)
     torch.testing.assert_close(fast, run(), **TOL)
 
 
@@ -323,8 +334,8 @@ def test_a_left_padded_row_with_a_cache_decodes_like_the_row_alone(window):
     pad = torch.tensor([[True, True] + [False] * 9])
     positions = (torch.cumsum(~pad, dim=1) - 1).clamp(min=0)  # 0, 0, 0, 1, ..., 8
     with torch.no_grad():
-        alone = _decode(ours, x, GroupedKVCache(), [4] + [1] * 5)
-        cache, out = GroupedKVCache(), []
+        alone = _decode(ours, x, kv_cache(), [4] + [1] * 5)
+        cache, out = kv_cache(), []
         for start, n in ((0, 6), *((t, 1) for t in range(6, 11))):
             out.append(
                 ours(
@@ -352,7 +363,7 @@ def test_kv_cache_bytes_is_the_storage_the_caches_keep(n_kv_heads, dtype, window
         GroupedQueryAttention(D, H, n_kv_heads, window=window).to(dtype).eval()
         for _ in range(n_layers)
     ]
-    caches = [GroupedKVCache() for _ in layers]
+    caches = [kv_cache(n_kv_heads) for _ in layers]
     x = torch.randn(B, L, D, dtype=dtype)
     shape = dict(n_layers=n_layers, batch_size=B, n_kv_heads=n_kv_heads, d_head=DH, dtype=dtype)
     with torch.no_grad():
@@ -363,21 +374,21 @@ def test_kv_cache_bytes_is_the_storage_the_caches_keep(n_kv_heads, dtype, window
             seen = start + n
             held = seen if window is None else min(seen, window - 1)
             expected = kv_cache_bytes(length=held, **shape)
-            storage = sum(t.untyped_storage().nbytes() for c in caches for t in (c.k, c.v))
+            storage = sum(t.untyped_storage().nbytes() for c in caches for t in c.buffers)
             assert storage == expected
             assert sum(c.nbytes for c in caches) == expected
-    preallocated = GroupedKVCache.preallocate(B, n_kv_heads, 64, DH, dtype=dtype)
+    preallocated = SequenceBuffers.preallocate(layers[0].cache_layout, B, 64, dtype=dtype)
     assert preallocated.nbytes * n_layers == kv_cache_bytes(length=64, **shape)
 
 
 def test_the_cache_keeps_no_larger_tensor_alive_for_a_view_it_is_given():
     """Keys handed in as a slice of a larger tensor (a fused QKV projection, say) are copied."""
     fused = torch.randn(1, 2, 5, 3 * DH)
-    cache = GroupedKVCache()
+    cache = kv_cache()
     cache.update(fused[..., DH : 2 * DH], fused[..., 2 * DH :])
-    storage = cache.k.untyped_storage().nbytes() + cache.v.untyped_storage().nbytes()
+    storage = sum(b.untyped_storage().nbytes() for b in cache.buffers)
     assert storage == cache.nbytes == 2 * fused[..., :DH].numel() * fused.element_size()
-    torch.testing.assert_close(cache.k, fused[..., DH : 2 * DH], rtol=0, atol=0)
+    torch.testing.assert_close(cache.buffers[0], fused[..., DH : 2 * DH], rtol=0, atol=0)
 
 
 def test_kv_cache_bytes_of_llama_3_8b():
@@ -389,7 +400,7 @@ def test_kv_cache_bytes_of_llama_3_8b():
 
 def test_a_full_preallocated_cache_says_so():
     ours = GroupedQueryAttention(D, H, 2).eval()
-    cache = GroupedKVCache.preallocate(1, 2, 4, DH)
+    cache = kv_cache(preallocate=(1, 4))
     with torch.no_grad():
         ours(torch.randn(1, 3, D), cache=cache)
         raises(lambda: ours(torch.randn(1, 2, D), cache=cache), ValueError, "holds 4 positions")
@@ -404,7 +415,13 @@ def test_a_full_preallocated_cache_says_so():
         (lambda: GroupedQueryAttention(32, 4, 0), ValueError, "n_kv_heads must be at least 1"),
         (lambda: GroupedQueryAttention(32, 4, window=0), ValueError, "window must be at least 1"),
         (lambda: GroupedQueryAttention(32, 4, norm_eps=0.0), ValueError, "norm_eps must be"),
-        (lambda: GroupedQueryAttention(32, 4, positions=3), TypeError, "positions must be"),
+        (lambda: GroupedQueryAttention(32, 4, rotary=3), TypeError, "rotary must be"),
+        (lambda: GroupedQueryAttention(32, 4, backend="flash"), ValueError, "attention_backend"),
+        (
+            lambda: GroupedQueryAttention(32, 4, window=2, backend="tiled"),
+            ValueError,
+            "'tiled' (chapter 22) has no sliding window",
+        ),
         (lambda: repeat_kv(torch.zeros(1, 2, 3, 4), 0), ValueError, "n_rep must be at least 1"),
         (
             lambda: kv_cache_bytes(
@@ -454,11 +471,10 @@ def test_rewind_forgets_the_last_positions(preallocate):
     differently (measured: 6e-8 apart in float32 on an AMD EPYC). In float64 what is left of the
     rounding is 1e-16 relative: 1e-12 would still catch a single position not forgotten."""
     torch.manual_seed(0)
-    ours = GroupedQueryAttention(D, H, 2, positions=_book_rotary_hook()).double().eval()
+    ours = GroupedQueryAttention(D, H, 2, rotary=_book_rotary_hook()).double().eval()
     x, other = torch.randn(1, 6, D, dtype=torch.float64), torch.randn(1, 3, D, dtype=torch.float64)
-    empty = GroupedKVCache.preallocate(1, 2, 16, DH, dtype=torch.float64)
-    cache = empty if preallocate else GroupedKVCache()
-    fresh = GroupedKVCache()
+    cache = kv_cache(preallocate=(1, 16) if preallocate else (), dtype=torch.float64)
+    fresh = kv_cache()
     with torch.no_grad():
         ours(x, cache=cache)
         cache.rewind(3)
@@ -472,7 +488,7 @@ def test_rewind_forgets_the_last_positions(preallocate):
 
 def test_rewind_refuses_a_cache_that_dropped_positions():
     ours = GroupedQueryAttention(D, H, 2, window=2).eval()
-    cache = GroupedKVCache()
+    cache = SequenceBuffers(ours.cache_layout)
     with torch.no_grad():
         ours(torch.randn(1, 4, D), cache=cache)
     raises(lambda: cache.rewind(1), ValueError, "dropped 3 older positions")
@@ -498,12 +514,13 @@ GROUPED_PROBES = {
         "x must be a floating-point tensor, got torch.int64",
     ),
     "a cache of latents": (
-        lambda: GroupedQueryAttention(16, 2)(X3, LatentKVCache()),
+        lambda: GroupedQueryAttention(16, 2)(X3, SequenceBuffers(CacheLayout(("c",), ((4,),), 1))),
         TypeError,
-        "cache must hold keys and values (the attention's empty_cache), got LatentKVCache",
+        "cache must keep k (B, 2, S, 8), v (B, 2, S, 8) (the attention's cache_layout), got "
+        "SequenceBuffers keeping c (B, S, 4)",
     ),
     "position ids for 4 positions": (
-        lambda: GroupedQueryAttention(16, 2, positions=RotaryPositions(8))(
+        lambda: GroupedQueryAttention(16, 2, rotary=RotaryPositions(8))(
             X3, position_ids=torch.arange(4)[None]
         ),
         ValueError,
@@ -514,10 +531,10 @@ GROUPED_PROBES = {
         TypeError,
         "position_ids must be an integer tensor, got torch.float32",
     ),
-    "no rows": (
-        lambda: GroupedQueryAttention(16, 2).empty_cache(0),
-        ValueError,
-        "batch_size must be at least 1, got 0",
+    "a cache of other heads": (
+        lambda: GroupedQueryAttention(16, 2)(X3, kv_cache(1, 8)),
+        TypeError,
+        "cache must keep k (B, 2, S, 8), v (B, 2, S, 8)",
     ),
     "dropout 1": (
         lambda: GroupedQueryAttention(16, 2, dropout=1.0),
@@ -536,7 +553,7 @@ def test_bad_calls_name_the_argument_and_what_is_valid(call, error, phrase):
 
 def test_a_refused_call_leaves_the_cache_as_it_was():
     attention = GroupedQueryAttention(16, 2)
-    cache = attention.empty_cache(1)
+    cache = SequenceBuffers(attention.cache_layout)
     attention(X3, cache)
     raises(
         lambda: attention(X3, cache, key_padding_mask=torch.zeros(1, 3).bool()), ValueError, "6"

@@ -19,7 +19,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from helpers import lm_config, raises, randomized
-from transformer_tutorial.lm.cache import GroupedKVCache
+from transformer_tutorial.lm.cache import CacheLayout, SequenceBuffers
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.deepseek_weights import (
     DEEPSEEK,
@@ -28,7 +28,6 @@ from transformer_tutorial.lm.deepseek_weights import (
 )
 from transformer_tutorial.lm.grouped_attention import GroupedQueryAttention, kv_cache_bytes
 from transformer_tutorial.lm.latent_attention import (
-    LatentKVCache,
     MultiHeadLatentAttention,
     latent_cache_bytes,
     mla_softmax_scale,
@@ -112,7 +111,7 @@ def test_the_rotary_layout_flag_matters():
     """The same weights read with the other layout: another attention (the test above would
     fail on a port that ignores rope_interleave)."""
     ours, ref = attention_pair("q-lora-interleaved")
-    ours.positions.layout = "half_split"
+    ours.rotary.layout = "half_split"
     x = torch.randn(B, T, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (ours(x) - their_attention(ref, x)).abs().max() > 1e-2
@@ -155,7 +154,7 @@ def test_absorbed_equals_unabsorbed_in_float64(q_lora_rank):
         torch.testing.assert_close(
             mla(x, key_padding_mask=padding, absorbed=True), whole, atol=1e-12, rtol=1e-12
         )
-        plain, absorbed = LatentKVCache(), LatentKVCache()
+        plain, absorbed = SequenceBuffers(mla.cache_layout), SequenceBuffers(mla.cache_layout)
         outs = {False: [], True: []}
         for start, stop in ((0, 5), (5, 6), (6, 9), (9, 10), (10, 12)):
             for form, cache in ((False, plain), (True, absorbed)):
@@ -170,7 +169,7 @@ def test_absorbed_equals_unabsorbed_in_float64(q_lora_rank):
         for form in (False, True):
             steps = torch.cat(outs[form], dim=1)
             torch.testing.assert_close(steps[real], whole[real], atol=1e-12, rtol=1e-12)
-    assert torch.equal(plain.latent, absorbed.latent)
+    assert torch.equal(plain.buffers[0], absorbed.buffers[0])
 
 
 def count_forms(monkeypatch) -> list[tuple[str, int, int]]:
@@ -276,7 +275,8 @@ def test_greedy_tokens_equal_the_unabsorbed_decodings(monkeypatch):
 
 
 def test_the_cache_holds_one_latent_and_one_rotary_key_per_position():
-    mla, cache = mla64(), LatentKVCache()
+    mla = mla64()
+    cache = SequenceBuffers(mla.cache_layout)
     x = torch.randn(2, 7, 32, dtype=torch.float64)
     with torch.no_grad():
         mla(x[:, :4], cache=cache)
@@ -289,7 +289,7 @@ def test_the_cache_holds_one_latent_and_one_rotary_key_per_position():
         qk_rope_head_dim=6,
         dtype=torch.float64,
     )
-    assert cache.seen == 7 and cache.latent.shape == (2, 7, 16 + 6)
+    assert cache.seen == 7 and cache.buffers[0].shape == (2, 7, 16 + 6)
     assert cache.nbytes == expected == 2 * 7 * 22 * 8
     # what multi-head attention would hold for the same heads: 2 · H · Dh per position
     assert (
@@ -305,7 +305,7 @@ def test_the_layer_calls_it_as_grouped_query_attention():
     model = LanguageModel(config())
     assert all(isinstance(layer.self_attn, MultiHeadLatentAttention) for layer in model.layers)
     _, cache = model.step(torch.zeros(1, 3, dtype=torch.long))
-    assert all(isinstance(c, LatentKVCache) and c.seen == 3 for c in cache.layers)
+    assert all(c.layout.names == ("latent",) and c.seen == 3 for c in cache.layers)
     assert not isinstance(model.layers[0].self_attn, GroupedQueryAttention)
 
 
@@ -317,9 +317,11 @@ def test_the_layer_calls_it_as_grouped_query_attention():
         (dict(qk_rope_head_dim=5), "qk_rope_head_dim=5 must be even"),
         (dict(qk_nope_head_dim=0), "qk_nope_head_dim"),
         (dict(v_head_dim=None), "needs v_head_dim"),
-        (dict(n_kv_heads=2), "chapter 16's attention only"),
+        (dict(n_kv_heads=2), "n_kv_heads=2: attention='gqa' only; set attention='gqa'"),
         (dict(bias=True), "bias=False"),
-        (dict(attention="gqa"), "latent attention only"),
+        (dict(attention="gqa"), "attention='mla' only; set attention='mla'"),
+        (dict(attention_backend="tiled"), "attention='mla' has its own: set attention='gqa'"),
+        (dict(positions="learned"), "set positions='rope', partial_rotary_factor=1.0"),
     ],
 )
 def test_bad_configs_are_refused_by_name(changes, phrase):
@@ -369,9 +371,10 @@ def _mla(**changes) -> MultiHeadLatentAttention:
 X16 = torch.randn(1, 3, 16)
 LATENT_PROBES = {
     "a cache of keys and values": (
-        lambda: _mla()(X16, GroupedKVCache()),
+        lambda: _mla()(X16, SequenceBuffers(CacheLayout(("k", "v"), ((2, 8),) * 2, 2))),
         TypeError,
-        "cache must hold latents (the attention's empty_cache), got GroupedKVCache",
+        "cache must keep latent (B, S, 6) (the attention's cache_layout), got SequenceBuffers "
+        "keeping k (B, 2, S, 8), v (B, 2, S, 8)",
     ),
     "absorbed an int": (
         lambda: _mla()(X16, absorbed=1),
@@ -388,7 +391,11 @@ LATENT_PROBES = {
         ValueError,
         "seen must be at least 0, got -1",
     ),
-    "no rows": (lambda: _mla().empty_cache(0), ValueError, "batch_size must be at least 1, got 0"),
+    "no rows": (
+        lambda: SequenceBuffers.preallocate(_mla().cache_layout, 0, 4),
+        ValueError,
+        "batch_size must be at least 1, got 0",
+    ),
     "integer x": (
         lambda: _mla()(X16.long()),
         TypeError,

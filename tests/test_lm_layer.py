@@ -10,7 +10,7 @@ from torch import nn
 
 from helpers import raises, to_device
 from transformer_tutorial.copy_weights import copy_encoder_layer
-from transformer_tutorial.lm.cache import GroupedKVCache
+from transformer_tutorial.lm.cache import SequenceBuffers
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.layer import DecoderOnlyLayer
 from transformer_tutorial.masks import causal_mask
@@ -43,12 +43,14 @@ def test_layer_equals_pytorch_encoder_layer_with_a_causal_mask(norm_first, activ
     try:
         with torch.no_grad():
             expected = ref(x, src_mask=causal_mask(T, device=device), is_causal=True)
-            cache = GroupedKVCache()
+            cache = SequenceBuffers(ours.self_attn.cache_layout)
             got = ours(x, cache)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
-    assert cache.k.shape == cache.v.shape == (B, H, T, D // H) and cache.seen == T
+    assert (
+        cache.buffers[0].shape == cache.buffers[1].shape == (B, H, T, D // H) and cache.seen == T
+    )
 
 
 MLA = dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
@@ -69,7 +71,10 @@ def test_layer_continues_from_the_cache_it_changes_in_place(seed, attention, kin
     torch.manual_seed(seed)
     layer = DecoderOnlyLayer(tiny(**ATTENTIONS[attention])).eval()
     x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed + 10))
-    cache = layer.self_attn.empty_cache(B, None if kind == "growing" else T)
+    layout = layer.self_attn.cache_layout
+    cache = (
+        SequenceBuffers(layout) if kind == "growing" else SequenceBuffers.preallocate(layout, B, T)
+    )
     with torch.no_grad():
         whole = layer(x)
         first = layer(x[:, :5], cache)

@@ -87,7 +87,7 @@ def test_cached_steps_equal_the_whole_sequence(norm_first, positions):
             rest.append(logits)
     stepped = torch.cat([first, second, *rest], dim=1)
     torch.testing.assert_close(stepped, whole, atol=ATOL, rtol=ATOL)
-    assert cache.length == T and cache.layers[0].k.shape == (B, H, T, D // H)
+    assert cache.length == T and cache.layers[0].buffers[0].shape == (B, H, T, D // H)
 
 
 def _stepped(lm: LanguageModel, x: torch.Tensor, padding_mask=None) -> torch.Tensor:
@@ -116,7 +116,7 @@ def test_cached_steps_equal_the_whole_sequence_with_every_choice(changes):
     torch.testing.assert_close(stepped, whole, atol=ATOL, rtol=ATOL)
     window = changes.get("window")
     held = T if window is None else window - 1
-    assert cache.length == T and all(layer.k.size(2) == held for layer in cache.layers)
+    assert cache.length == T and all(layer.buffers[0].size(2) == held for layer in cache.layers)
 
 
 MLA = dict(
@@ -153,13 +153,16 @@ def test_a_preallocated_cache_is_allocated_once_in_the_models_dtype():
     lm = model(**CHOICES["llama"]).double()
     cache = lm.new_cache(B, "preallocated", max_len=T)
     layer = cache.layers[0]
-    assert layer.k.shape == (B, 2, T, D // H) and layer.k.dtype == torch.float64
-    before = layer.k.data_ptr()
+    k = layer.buffers[0]
+    assert k.shape == (B, 2, T, D // H) and k.dtype == torch.float64
+    before = k.data_ptr()
     with torch.no_grad():
         lm.step(ids(), cache)
-    assert layer.k.data_ptr() == before and cache.length == T
+    assert layer.buffers[0].data_ptr() == before and cache.length == T
     raises(lambda: lm.step(ids(shape=(B, 1)), cache), ValueError, "preallocate a larger max_len")
-    raises(lambda: lm.new_cache(B, "paged"), ValueError, "kind must be one of")
+    raises(lambda: lm.new_cache(B, "pinned"), ValueError, "kind must be one of")
+    raises(lambda: lm.new_cache(B, "paged"), ValueError, "needs n_blocks and block_size")
+    raises(lambda: lm.new_cache(B, "growing", n_blocks=4), TypeError, "takes no n_blocks")
     raises(lambda: lm.new_cache(0), ValueError, "batch_size must be at least 1")
 
 
@@ -211,7 +214,7 @@ def test_llama_choices_build_todays_pieces():
         "rotary.rotary.cos",
         "rotary.rotary.sin",
     ]
-    assert all(layer.self_attn.positions is lm.rotary for layer in lm.layers)
+    assert all(layer.self_attn.rotary is lm.rotary for layer in lm.layers)
     assert not any("rotary" in k for k in lm.state_dict())  # formulas, not weights
     qwen3 = model(**CHOICES["qwen3-window-3"]).layers[0].self_attn
     assert isinstance(qwen3.q_norm, RMSNorm) and qwen3.window == 3
@@ -223,7 +226,7 @@ def test_llama_choices_build_todays_pieces():
 
 def test_rotary_tables_move_with_the_model():
     lm = model(**CHOICES["llama"]).to(torch.float64)
-    assert lm.layers[0].self_attn.positions.rotary.cos.dtype == torch.float64
+    assert lm.layers[0].self_attn.rotary.rotary.cos.dtype == torch.float64
     x = ids()
     with torch.no_grad():
         assert lm(x).dtype == torch.float64
@@ -353,9 +356,14 @@ def test_a_tiny_model_learns_a_sentence_by_heart():
         (
             {"positions": "rope"},
             ValueError,
-            "positions='rope': chapter 16's attention only; set attention='gqa'",
+            "positions='rope' turns queries and keys inside the attention; attention='mha' has "
+            "no hook for them: set attention='gqa'",
         ),
-        ({"n_kv_heads": 2, "window": 4}, ValueError, "n_kv_heads=2, window=4: chapter 16's"),
+        (
+            {"n_kv_heads": 2, "window": 4},
+            ValueError,
+            "n_kv_heads=2, window=4: attention='gqa' only",
+        ),
         ({"attention": "gqa", "n_kv_heads": 3}, ValueError, "n_kv_heads=3 must divide n_heads=4"),
         ({"attention": "gqa", "n_kv_heads": 0}, ValueError, "n_kv_heads must be at least 1"),
         ({**MODERN, "d_head": 5}, ValueError, "head width 5 must be even for rotary"),
@@ -445,7 +453,7 @@ def test_a_cache_that_does_not_fit_is_refused_before_any_layer_writes():
         deeper = LanguageModel(tiny(**CHOICES["llama"], n_layers=3))
         raises(lambda: deeper.step(ids(shape=(3, 1)), cache), ValueError, "each of the model's 3")
         latent = LanguageModel(tiny(**MLA))
-        raises(lambda: latent.step(ids(shape=(3, 1)), cache), ValueError, "keeps latents")
+        raises(lambda: latent.step(ids(shape=(3, 1)), cache), ValueError, "keeps latent (B, S, ")
     raises(
         lambda: lm.new_cache(1, "preallocated", max_len=T + 99), ValueError, "exceeds the model"
     )

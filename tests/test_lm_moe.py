@@ -553,7 +553,7 @@ def test_bad_deepseek_blocks_are_refused_by_name(changes, phrase):
 
 
 BAD_DEEPSEEK_CONFIGS = [
-    (dict(n_group=2), "n_group=2: DeepSeek-V3's mixture only; set router='sigmoid'"),
+    (dict(n_group=2), "n_group=2: router='sigmoid' only; set router='sigmoid'"),
     (dict(n_shared_experts=1), "set router='sigmoid'"),
     (dict(router="sigmoidal"), "router must be one of"),
     (dict(n_experts=0, n_experts_per_token=1, router="sigmoid"), "set n_experts"),

@@ -1,6 +1,7 @@
 """Chapter 23: the preallocated and the paged cache give chapter 17's tokens (greedy, Llama- and
-Qwen3-style, float64); continuous batching gives each request the tokens it gets alone; bad
-block sizes and kinds are refused by name."""
+Qwen3-style, float64), for every attention (GPT-2's, chapter 16's, chapter 21's latents);
+continuous batching gives each request the tokens it gets alone; bad block sizes and kinds are
+refused by name."""
 
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ import torch
 from helpers import raises
 from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
 from transformer_tutorial.lm.model import LanguageModel
-from transformer_tutorial.lm.paged_cache import (
-    BlockAllocator,
-    Scheduler,
-    continuous_greedy,
-    greedy_with_cache,
-    paged_cache,
-    preallocated_cache,
-)
+from transformer_tutorial.lm.paged_cache import BlockAllocator, Scheduler, continuous_greedy
 from transformer_tutorial.lm.sampling import generate
 
 STYLES = {"llama": LLAMA, "qwen3": QWEN3}
+MLA = dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+
+
+def paged_cache(model: LanguageModel, batch_size: int, **options) -> object:
+    return model.new_cache(batch_size, "paged", **options)
+
+
+def greedy_with_cache(model: LanguageModel, prompt: torch.Tensor, n: int, cache) -> torch.Tensor:
+    return generate(model, prompt, n, greedy=True, cache=cache)
 
 
 def _model(style: str, seed: int = 0, **overrides) -> LanguageModel:
@@ -44,7 +47,7 @@ def test_preallocated_and_paged_give_the_growing_caches_tokens(style, seed):
     model = _model(style, seed)
     prompt = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(seed))
     want = generate(model, prompt, 30, greedy=True)
-    got = greedy_with_cache(model, prompt, 30, preallocated_cache(model, 3))
+    got = greedy_with_cache(model, prompt, 30, model.new_cache(3, "preallocated"))
     assert torch.equal(got, want)
     paged = paged_cache(model, 3, n_blocks=27, block_size=4)  # 35 positions: 9 blocks a row
     assert torch.equal(greedy_with_cache(model, prompt, 30, paged), want)
@@ -54,8 +57,10 @@ def test_a_preallocated_cache_runs_past_a_sliding_window():
     model = _model("qwen3", window=4)
     prompt = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(2))
     want = generate(model, prompt, 20, greedy=True)
-    assert torch.equal(greedy_with_cache(model, prompt, 20, preallocated_cache(model, 2)), want)
-    small = preallocated_cache(model, 2, max_len=8)  # full: keeps the window's last 3
+    assert torch.equal(
+        greedy_with_cache(model, prompt, 20, model.new_cache(2, "preallocated")), want
+    )
+    small = model.new_cache(2, "preallocated", max_len=8)  # full: keeps the window's last 3
     assert torch.equal(greedy_with_cache(model, prompt, 20, small), want)
 
 
@@ -184,20 +189,36 @@ def test_bad_input_is_refused_by_name(call, error, phrase):
     raises(lambda: call(_model("llama")), error, phrase)
 
 
-def test_the_paged_cache_needs_grouped_attention_without_a_window():
-    """A preallocated cache serves every attention (GPT-2's too); the paged one chapter 16's."""
-    gpt2 = LanguageModel(LMConfig(vocab_size=20, d_model=16, n_heads=2, n_layers=1, max_len=8))
-    prompt = torch.tensor([[1, 2, 3]])
-    assert torch.equal(
-        greedy_with_cache(gpt2.eval(), prompt, 4, preallocated_cache(gpt2, 1)),
-        generate(gpt2, prompt, 4, greedy=True),
-    )
-    raises(lambda: paged_cache(gpt2, 1, n_blocks=2, block_size=4), ValueError, "attention='gqa'")
-    raises(
-        lambda: paged_cache(_model("llama", window=4), 1, n_blocks=2, block_size=4),
-        ValueError,
-        "no sliding window",
-    )
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_every_attention_decodes_from_every_cache(attention):
+    """The caches keep whatever layout an attention declares: GPT-2's keys and values and
+    chapter 21's latents give the growing cache's tokens from a preallocated and a paged cache,
+    and continuous batching serves latent attention too."""
+    torch.manual_seed(3)
+    changes = {} if attention == "mha" else dict(LLAMA, **MLA)
+    config = LMConfig(vocab_size=20, d_model=16, n_heads=2, n_layers=2, max_len=24, **changes)
+    model = LanguageModel(config).double().eval()
+    prompt = torch.randint(0, 20, (2, 3), generator=torch.Generator().manual_seed(4))
+    want = generate(model, prompt, 12, greedy=True)
+    for cache in (
+        model.new_cache(2, "preallocated"),
+        paged_cache(model, 2, n_blocks=8, block_size=4),
+    ):
+        assert torch.equal(greedy_with_cache(model, prompt, 12, cache), want)
+    if attention == "mla":
+        prompts, budgets = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], [6, 9, 4]
+        got = continuous_greedy(model, prompts, budgets, max_batch=2, n_blocks=6, block_size=4)
+        for p, b, tokens in zip(prompts, budgets, got, strict=True):
+            assert (
+                tokens == generate(model, torch.tensor([p]), b, greedy=True)[0, len(p) :].tolist()
+            )
+
+
+def test_the_paged_cache_refuses_a_sliding_window_by_name():
+    model = _model("llama", window=4)
+    cache = paged_cache(model, 1, n_blocks=2, block_size=4)
+    raises(lambda: model.step(torch.tensor([[1, 2]]), cache), ValueError, "no sliding window")
+    assert cache.length == 0
 
 
 def test_caches_hold_the_activations_dtype_of_a_quantized_bf16_model():
@@ -208,7 +229,10 @@ def test_caches_hold_the_activations_dtype_of_a_quantized_bf16_model():
     model = quantize_linears(_model("llama").float().to(torch.bfloat16), bits=8, keep=())
     prompt = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(5))
     want = greedy_with_cache(model, prompt, 8, model.new_cache(2))
-    for cache in (preallocated_cache(model, 2), paged_cache(model, 2, n_blocks=6, block_size=4)):
+    for cache in (
+        model.new_cache(2, "preallocated"),
+        paged_cache(model, 2, n_blocks=6, block_size=4),
+    ):
         assert cache.layers[0].nbytes > 0
         assert torch.equal(greedy_with_cache(model, prompt, 8, cache), want)
 
@@ -216,10 +240,10 @@ def test_caches_hold_the_activations_dtype_of_a_quantized_bf16_model():
 # --- API probes (issue 42): each bad call, and what its error must say ------------------------
 
 PAGED_PROBES = {
-    "paged_cache: a dict for the model": (
-        lambda m: paged_cache({}, 1, n_blocks=4, block_size=4),
-        TypeError,
-        "model must be a LanguageModel, got dict",
+    "paged: no blocks given": (
+        lambda m: m.new_cache(1, "paged"),
+        ValueError,
+        "the paged cache needs n_blocks and block_size",
     ),
     "paged_cache: allocator a str": (
         lambda m: paged_cache(m, 1, n_blocks=4, block_size=4, allocator="pool"),
@@ -231,8 +255,8 @@ PAGED_PROBES = {
         ValueError,
         "allocator cuts 8 blocks of 2 positions; the pools have n_blocks=4 of block_size=4",
     ),
-    "preallocated_cache: a dict for the model": (
-        lambda m: preallocated_cache({}, 1),
+    "Scheduler: a dict for the model": (
+        lambda m: Scheduler({}, max_batch=1, n_blocks=4, block_size=4),
         TypeError,
         "model must be a LanguageModel, got dict",
     ),

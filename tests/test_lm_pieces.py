@@ -62,11 +62,11 @@ def test_positions_and_attention_by_name():
     x = torch.randn(2, 5, 16)
     assert isinstance(none_added, PositionsInAttention) and torch.equal(none_added(x, 3), x)
     attn = make_attention(rope)
-    assert isinstance(attn, GroupedQueryAttention) and isinstance(attn.positions, RotaryPositions)
+    assert isinstance(attn, GroupedQueryAttention) and isinstance(attn.rotary, RotaryPositions)
     assert (attn.n_kv_heads, attn.d_head, attn.window) == (2, 6, 3)
-    assert attn.positions.rotary.max_len == 8 and attn.q_norm is None
+    assert attn.rotary.rotary.max_len == 8 and attn.q_norm is None
     plain = make_attention(config(attention="gqa"))
-    assert plain.positions is None and plain.n_kv_heads == 4 and plain.q_proj.bias is not None
+    assert plain.rotary is None and plain.n_kv_heads == 4 and plain.q_proj.bias is not None
 
 
 def test_attention_gets_the_configs_rope_scaling_and_partial_rotary():
@@ -77,10 +77,10 @@ def test_attention_gets_the_configs_rope_scaling_and_partial_rotary():
     expected = scaled_rotary(
         8, max_len=32, base=100.0, scaling=scaling, partial_rotary_factor=0.5
     ).rotary
-    assert torch.equal(hook.positions.rotary.cos, expected.cos)
-    assert torch.equal(hook.positions.rotary.sin, expected.sin)
-    assert hook.positions.rotary.cos.shape == (32, 4)  # 4 of 8 coordinates turn
-    plain = make_attention(config(**changes)).positions.rotary
+    assert torch.equal(hook.rotary.rotary.cos, expected.cos)
+    assert torch.equal(hook.rotary.rotary.sin, expected.sin)
+    assert hook.rotary.rotary.cos.shape == (32, 4)  # 4 of 8 coordinates turn
+    plain = make_attention(config(**changes)).rotary.rotary
     assert plain.cos.shape == (32, 8) and plain.attention_scaling == 1.0
 
 

@@ -16,7 +16,6 @@ from transformers.generation.logits_process import (
 from helpers import raises
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel
-from transformer_tutorial.lm.paged_cache import greedy_with_cache, paged_cache
 from transformer_tutorial.lm.sampling import (
     apply_temperature,
     filter_logits,
@@ -196,8 +195,8 @@ def test_cached_generation_equals_recomputing(settings):
 
 
 def test_generate_takes_a_ready_cache_of_any_kind():
-    """``cache=``: the empty cache ``model.new_cache`` or ``paged_cache`` made, changed in place
-    (what ``greedy_with_cache`` did): greedy's tokens from each."""
+    """``cache=``: the empty cache ``model.new_cache`` made, of any kind, changed in place:
+    greedy's tokens from each."""
     torch.manual_seed(0)
     config = LMConfig(
         vocab_size=V, d_model=16, n_heads=2, n_kv_heads=1, n_layers=2, d_ff=32, max_len=24, **LLAMA
@@ -210,8 +209,7 @@ def test_generate_takes_a_ready_cache_of_any_kind():
     prealloc = lm.new_cache(2, "preallocated")
     assert torch.equal(generate(lm, prompt, 15, greedy=True, cache=prealloc), want)
     assert prealloc.length == 17  # the prompt and every new token but the last
-    assert torch.equal(greedy_with_cache(lm, prompt, 15, lm.new_cache(2, "preallocated")), want)
-    paged = paged_cache(lm, 2, n_blocks=10, block_size=4)
+    paged = lm.new_cache(2, "paged", n_blocks=10, block_size=4)
     assert torch.equal(generate(lm, prompt, 15, greedy=True, cache=paged), want)
     sampled = [
         generate(lm, prompt, 15, top_k=5, generator=torch.Generator().manual_seed(0), **kind)
@@ -245,22 +243,22 @@ CACHE_PROBES = {
     "cache a str": (
         lambda lm, cache: generate(lm, PROMPT, 3, cache="preallocated"),
         TypeError,
-        "cache must be an empty LMCache (model.new_cache, paged_cache) or None, got str",
+        "cache must be an empty LMCache (model.new_cache) or None, got str",
     ),
     "a used cache": (
         lambda lm, cache: generate(lm, PROMPT, 3, cache=_used_cache()),
         ValueError,
         "cache must be empty, got one holding 2 positions",
     ),
-    "an unknown cache_kind": (
+    "a paged cache_kind without its blocks": (
         lambda lm, cache: generate(lm, PROMPT, 3, cache_kind="paged"),
         ValueError,
-        "cache_kind: kind must be one of ['growing', 'preallocated'], got 'paged'",
+        "cache_kind: the paged cache needs n_blocks and block_size",
     ),
     "an empty cache_kind": (
         lambda lm, cache: generate(lm, PROMPT, 3, cache_kind=""),
         ValueError,
-        "cache_kind: kind must be one of ['growing', 'preallocated'], got ''",
+        "cache_kind: kind must be one of ['growing', 'paged', 'preallocated'], got ''",
     ),
     "a prompt of no rows": (
         lambda lm, cache: generate(lm, torch.zeros(0, 2, dtype=torch.long), 3),
@@ -334,7 +332,7 @@ def test_bad_settings_are_refused(settings, error, phrase):
         (lambda lm: next_token(torch.zeros(2, 3, V)), ValueError, "logits must be (B, V)"),
         (lambda lm: generate(lm, torch.tensor([[1]]), 3, eos_id=V), ValueError, "eos_id=17 is no"),
         (
-            lambda lm: generate(lm, torch.tensor([[1]]), 3, cache_kind="paged"),
+            lambda lm: generate(lm, torch.tensor([[1]]), 3, cache_kind="pinned"),
             ValueError,
             "cache_kind: kind must be one of",
         ),

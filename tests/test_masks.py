@@ -16,8 +16,9 @@ from torch import nn
 from helpers import raises, tiny_config
 from transformer_tutorial.attention import MultiHeadAttention, scaled_dot_product_attention
 from transformer_tutorial.layers import DecoderLayer, EncoderLayer
+from transformer_tutorial.lm.cache import SequenceBuffers
 from transformer_tutorial.lm.config import LMConfig
-from transformer_tutorial.lm.grouped_attention import GroupedKVCache, GroupedQueryAttention
+from transformer_tutorial.lm.grouped_attention import GroupedQueryAttention
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.masks import (
     causal_mask,
@@ -398,12 +399,17 @@ def test_a_refused_padding_mask_leaves_the_cache_as_it_was():
     """The mask is checked before the cache takes the new keys: after the error the cache still
     holds the prompt only, and decoding can go on."""
     torch.manual_seed(0)
-    attention, cache = GroupedQueryAttention(16, 4, 2).eval(), GroupedKVCache()
+    attention = GroupedQueryAttention(16, 4, 2).eval()
+    cache = SequenceBuffers(attention.cache_layout)
     with torch.no_grad():
         attention(X, cache=cache)
-        k, v = cache.k.clone(), cache.v.clone()
+        k, v = (b.clone() for b in cache.buffers)
         raises(lambda: attention(X[:, :1], cache=cache, key_padding_mask=_bool(2, 1)),
                ValueError, "expected (B, seen + L) = (2, 6)")  # fmt: skip
-        assert cache.seen == 5 and torch.equal(cache.k, k) and torch.equal(cache.v, v)
+        assert (
+            cache.seen == 5
+            and torch.equal(cache.buffers[0], k)
+            and torch.equal(cache.buffers[1], v)
+        )
         out = attention(X[:, :1], cache=cache, key_padding_mask=_bool(2, 6))
     assert out.shape == (2, 1, 16) and cache.seen == 6

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from helpers import raises
 from transformer_tutorial.attention import scaled_dot_product_attention
-from transformer_tutorial.tiled_attention import PeakStorage, online_softmax, tiled_attention
+from transformer_tutorial.lm.tiled_attention import PeakStorage, online_softmax, tiled_attention
 
 
 def reference(q, k, v, *, key_padding_mask=None, is_causal=False):

@@ -138,3 +138,39 @@ def merge_masks(
         padded = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
         merged = padded if merged is None else merged | padded
     return merged
+
+
+def sdpa_mask(
+    batch_size: int,
+    q_len: int,
+    k_len: int,
+    key_padding_mask: Tensor | None = None,
+    *,
+    window: int | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor | None, bool]:
+    """``F.scaled_dot_product_attention``'s ``attn_mask`` (True = attend) and ``is_causal`` for
+    the last ``q_len`` of ``k_len`` positions under a causal mask aligned bottom-right (a sliding
+    ``window`` too, if given) and ``key_padding_mask`` ``(B, ≥ k_len)`` (its last ``k_len``
+    columns are the keys', True at padding).
+
+    Without padding, two common cases need no mask tensor, which leaves F.sdpa every kernel (on
+    CUDA, FlashAttention takes no mask tensor, and a grouped call no fused kernel takes runs the
+    math path, which copies the keys and values): a whole sequence, ``q_len == k_len``, is plain
+    causal attention (``is_causal=True``); one new token after a cache sees every key the cache
+    holds (it keeps at most ``window`` of them)."""
+    if key_padding_mask is None and (window is None or window >= k_len):
+        if q_len == k_len and window is None:
+            return None, True
+        if q_len == 1:
+            return None, False
+    if window is None:
+        blocked = causal_mask(q_len, k_len, device=device)
+    else:
+        blocked = sliding_window_causal_mask(q_len, k_len, window=window, device=device)
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask[:, -k_len:]  # the positions held
+    blocked = merge_masks(
+        blocked, key_padding_mask, batch_size=batch_size, q_len=q_len, k_len=k_len
+    )
+    return ~blocked, False

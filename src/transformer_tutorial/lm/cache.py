@@ -2,44 +2,108 @@
 
 Every attention of the language model keeps what later positions need in a cache that changes
 in place, as in every anchor (``transformers``' ``DynamicCache``, gpt-fast's ``KVCache``): the
-attention calls ``update`` with the new positions and gets back every position held. Each cache
-counts the positions it was given (``seen``, the next position id) and can forget the last ones
-(``rewind``, for speculative decoding). The caller picks the kind when it starts decoding
-(:meth:`~transformer_tutorial.lm.model.LanguageModel.new_cache`): *growing* (a concatenation a
-step, nothing allocated ahead) or *preallocated* (buffers for ``max_len`` positions allocated
-once, written in place); chapter 23's paged cache (:mod:`~transformer_tutorial.lm.paged_cache`)
-answers the same calls.
+attention calls ``update`` with the new positions and gets back every position held. What one
+position keeps is the attention's to declare, as a :class:`CacheLayout` (chapter 16's keys and
+values ``(B, Hkv, S, Dh)``, chapter 21's latents ``(B, S, Dc + Dr)``); the storage is the
+cache's, the same for every layout. Each cache counts the positions it was given (``seen``, the
+next position id) and can forget the last ones (``rewind``, for speculative decoding). The
+caller picks the kind when it starts decoding
+(:meth:`~transformer_tutorial.lm.model.LanguageModel.new_cache`, the one door): *growing* (a
+concatenation a step, nothing allocated ahead) or *preallocated* (buffers for ``max_len``
+positions allocated once, written in place), both :class:`SequenceBuffers`; chapter 23's
+*paged* cache (:mod:`~transformer_tutorial.lm.paged_cache`) registers itself beside them.
 
-- :class:`GroupedKVCache`: keys and values ``(B, Hkv, S, Dh)`` each (chapters 13, 16, 17);
-- :class:`LatentKVCache`: latents and shared rotary keys ``(B, S, Dc + Dr)`` (chapter 21);
+- :class:`CacheLayout`: what one position of one layer keeps;
+- :class:`SequenceBuffers`: a layer's growing or preallocated cache over any layout;
 - :class:`LMCache`: one cache per layer; its ``length`` is the layers' count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from transformer_tutorial.checks import (
-    check_choice,
     check_int,
     check_optional_int,
     check_tensor,
     check_type,
 )
+from transformer_tutorial.lm.registry import CACHE_KINDS, Piece
 
-# The kinds a caller can pick when decoding starts (chapter 23's "paged" has a module of its
-# own: it needs a block allocator shared by the layers).
-CACHE_KINDS = ("growing", "preallocated")
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one position of one layer's cache keeps, as its attention declares it: tensors
+    named ``names``, the ``i``-th of shape ``(B, *shapes[i])`` with the positions inserted at
+    ``seq_dim`` (counting the batch as dimension 0). (Which positions a cache keeps — all, or
+    a sliding window's last ones — the attention says at each ``update``, with ``keep``.)
+
+    Chapter 16's keys and values: ``CacheLayout(("k", "v"), ((Hkv, Dh),) * 2, seq_dim=2)``, each
+    ``(B, Hkv, S, Dh)``; chapter 21's latents: ``CacheLayout(("latent",), ((Dc + Dr,),), 1)``.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    seq_dim: int
+
+    def __post_init__(self) -> None:
+        if not self.names or len(self.names) != len(self.shapes):
+            raise ValueError(
+                f"a cache layout needs one shape per name, got names={self.names!r} and "
+                f"shapes={self.shapes!r}"
+            )
+        for shape in self.shapes:
+            if not all(type(n) is int and n >= 1 for n in shape):
+                raise ValueError(f"shapes must hold positive ints, got {self.shapes!r}")
+            check_int("seq_dim", self.seq_dim, at_least=1)
+            if self.seq_dim > len(shape) + 1:
+                raise ValueError(
+                    f"seq_dim={self.seq_dim} is past the last dimension of (B, *{shape})"
+                )
+
+    def shape(self, i: int, batch_size: int, length: int) -> tuple[int, ...]:
+        """Tensor ``i``'s whole shape for ``batch_size`` rows of ``length`` positions."""
+        rest = self.shapes[i]
+        d = self.seq_dim - 1
+        return (batch_size, *rest[:d], length, *rest[d:])
+
+    def label(self, i: int, positions: str = "L") -> str:
+        """Tensor ``i``'s shape as an error names it: ``(B, 2, L, 8)``."""
+        rest, d = [str(n) for n in self.shapes[i]], self.seq_dim - 1
+        return "(" + ", ".join(["B", *rest[:d], positions, *rest[d:]]) + ")"
+
+    def __str__(self) -> str:
+        """What it keeps, in words: ``k (B, 2, S, 8), v (B, 2, S, 8)``."""
+        return ", ".join(f"{n} {self.label(i, 'S')}" for i, n in enumerate(self.names))
+
+
+def check_new_positions(layout: CacheLayout, new: tuple[Tensor, ...]) -> None:
+    """What a cache's ``update`` is given: one tensor per name of ``layout``, each of its shape
+    with one number ``L`` of new positions and one batch."""
+    names = layout.names
+    if len(new) != len(names):
+        raise ValueError(f"update takes {len(names)} tensors ({', '.join(names)}), got {len(new)}")
+    for i, (name, x) in enumerate(zip(names, new, strict=True)):
+        label = layout.label(i)
+        check_tensor(name, x, dims=len(layout.shapes[i]) + 2, shape=label)
+        if x.shape != layout.shape(i, new[0].size(0), new[0].size(layout.seq_dim)):
+            raise ValueError(
+                f"{name} must be {label}, one B and one L for all, got {tuple(x.shape)}"
+            )
 
 
 class LayerCache(Protocol):
     """What the model asks of a layer's cache; the attention also calls its ``update``."""
 
+    layout: CacheLayout
     seen: int
+
+    def update(self, *new: Tensor, keep: int | None = None) -> tuple[Tensor, ...]: ...
 
     def rewind(self, n: int) -> None: ...
 
@@ -51,29 +115,46 @@ def _own(x: Tensor) -> Tensor:
 
 
 class SequenceBuffers:
-    """Tensors that hold positions along ``dim`` (``seq_dim``), growing or preallocated.
+    """One layer's cache over the ``layout`` its attention declares, growing or preallocated:
+    each tensor holds positions along ``layout.seq_dim``.
 
-    ``seen`` counts every position given (the next position id); ``held`` how many the buffers
-    hold now, the last ``held`` of them: with a sliding window (:meth:`_append`'s ``keep``) a
-    growing cache drops older positions, a preallocated one keeps at most its capacity.
+    ``SequenceBuffers(layout)`` grows by concatenation at every step; :meth:`preallocate`
+    allocates its buffers once and writes each step into them. ``seen`` counts every position
+    given (the next position id); ``held`` how many the buffers hold now, the last ``held`` of
+    them: with a sliding window (:meth:`_append`'s ``keep``) a growing cache drops older
+    positions, a preallocated one keeps at most its capacity.
     """
 
-    seq_dim = 2
-
-    def __init__(self) -> None:
+    def __init__(self, layout: CacheLayout) -> None:
+        check_type("layout", layout, CacheLayout, "a CacheLayout (an attention's cache_layout)")
+        self.layout = layout
+        self.seq_dim = layout.seq_dim
         self.buffers: tuple[Tensor, ...] | None = None
         self.seen = 0  # positions given so far
         self.held = 0  # positions held now
         self.preallocated = False
 
     @classmethod
-    def _allocate(
-        cls, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype | None, device
+    def preallocate(
+        cls,
+        layout: CacheLayout,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> SequenceBuffers:
+        """A cache whose buffers hold ``max_len`` positions of ``batch_size`` rows, allocated
+        now (``dtype`` None: PyTorch's default)."""
+        cache = cls(layout)
+        check_int("batch_size", batch_size, at_least=1)
+        check_int("max_len", max_len, at_least=1)
         if dtype is not None:
             check_type("dtype", dtype, torch.dtype, "a torch.dtype such as torch.bfloat16 or None")
-        cache = cls()
-        cache.buffers = tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes)
+        cache.buffers = tuple(
+            torch.zeros(layout.shape(i, batch_size, max_len), dtype=dtype, device=device)
+            for i in range(len(layout.names))
+        )
         cache.preallocated = True
         return cache
 
@@ -90,24 +171,21 @@ class SequenceBuffers:
             return 0
         return sum(b.untyped_storage().nbytes() for b in self.buffers)
 
-    def _check_new(self, new: dict[str, Tensor], shape: str) -> None:
-        """Before the cache changes: the new positions' tensors (by name), each ``shape``, of one
-        shape, and agreeing with what the cache holds in every dimension but the positions'."""
-        for name, x in new.items():
-            check_tensor(name, x, dims=len(shape.split(",")), shape=shape)
-        (first, x0), d = next(iter(new.items())), self.seq_dim
-        for name, x in new.items():
-            if x.shape != x0.shape:
-                raise ValueError(
-                    f"{name} {tuple(x.shape)} must have {first}'s shape {tuple(x0.shape)}"
-                )
-        if self.buffers is not None:
-            held = self.buffers[0].shape
-            if x0.shape[:d] + x0.shape[d + 1 :] != held[:d] + held[d + 1 :]:
-                raise ValueError(
-                    f"{first} {tuple(x0.shape)} must match the cache's {shape} {tuple(held)} in "
-                    f"every dimension but the positions' (dimension {d})"
-                )
+    def update(self, *new: Tensor, keep: int | None = None) -> tuple[Tensor, ...]:
+        """Add the new positions, one tensor per name of the layout (keys and values ``(B, Hkv,
+        L, Dh)``; a latent ``(B, L, Dc + Dr)``); return every held position's, new ones last.
+        ``keep``: see :meth:`_append`."""
+        self._check_new(new)
+        return self._append(new, keep)
+
+    def _check_new(self, new: tuple[Tensor, ...]) -> None:
+        """Before the cache changes: :func:`check_new_positions`, and the rows it holds."""
+        check_new_positions(self.layout, new)
+        if self.buffers is not None and new[0].size(0) != self.buffers[0].size(0):
+            raise ValueError(
+                f"{self.layout.names[0]} has {new[0].size(0)} rows; the cache holds "
+                f"{self.buffers[0].size(0)}: a cache serves the batch it started with"
+            )
 
     def check_rewind(self, n: int) -> None:
         """The errors :meth:`rewind` would raise, with nothing changed."""
@@ -170,88 +248,6 @@ class SequenceBuffers:
             self.buffers = tuple(_own(b.narrow(d, 0, self.held)) for b in self.buffers)
 
 
-class GroupedKVCache(SequenceBuffers):
-    """One layer's keys and values of the positions decoded so far, ``(B, Hkv, S, Dh)`` each.
-
-    ``GroupedKVCache()`` grows by concatenation at every step; :meth:`preallocate` allocates its
-    buffers once and writes each step into them.
-    """
-
-    seq_dim = 2
-    holds = "keys and values"  # what an attention must ask for (its ``cache_holds``)
-
-    @classmethod
-    def preallocate(
-        cls,
-        batch_size: int,
-        n_kv_heads: int,
-        max_len: int,
-        d_head: int,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> GroupedKVCache:
-        """A cache whose buffers hold ``max_len`` positions, allocated now."""
-        for name, value in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads)):
-            check_int(name, value, at_least=1)
-        check_int("max_len", max_len, at_least=1)
-        check_int("d_head", d_head, at_least=1)
-        shape = (batch_size, n_kv_heads, max_len, d_head)
-        return cls._allocate([shape, shape], dtype, device)
-
-    @property
-    def k(self) -> Tensor | None:
-        """The keys' buffer (a preallocated cache: all of it, held or not)."""
-        return None if self.buffers is None else self.buffers[0]
-
-    @property
-    def v(self) -> Tensor | None:
-        """The values' buffer."""
-        return None if self.buffers is None else self.buffers[1]
-
-    def update(self, k: Tensor, v: Tensor, *, keep: int | None = None) -> tuple[Tensor, Tensor]:
-        """Add the new positions' keys and values ``(B, Hkv, L, Dh)``; return every held
-        position's, new ones last, ``(B, Hkv, S, Dh)``. ``keep``: see
-        :meth:`SequenceBuffers._append`."""
-        self._check_new({"k": k, "v": v}, "(B, Hkv, L, Dh)")
-        k_all, v_all = self._append((k, v), keep)
-        return k_all, v_all
-
-
-class LatentKVCache(SequenceBuffers):
-    """One layer's cache of MLA (chapter 21): per position the normalised latent then the rotated
-    shared key, ``(B, S, Dc + Dr)`` in one tensor; growing, or :meth:`preallocate`."""
-
-    seq_dim = 1
-    holds = "latents"
-
-    @classmethod
-    def preallocate(
-        cls,
-        batch_size: int,
-        max_len: int,
-        width: int,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> LatentKVCache:
-        """A cache whose buffer holds ``max_len`` positions of ``width`` (Dc + Dr), now."""
-        check_int("batch_size", batch_size, at_least=1)
-        check_int("max_len", max_len, at_least=1)
-        check_int("width", width, at_least=1)
-        return cls._allocate([(batch_size, max_len, width)], dtype, device)
-
-    @property
-    def latent(self) -> Tensor | None:
-        """The latents' buffer."""
-        return None if self.buffers is None else self.buffers[0]
-
-    def update(self, latent: Tensor) -> Tensor:
-        """Add the new positions ``(B, L, Dc + Dr)``; return every position's, new ones last."""
-        self._check_new({"latent": latent}, "(B, L, Dc + Dr)")
-        return self._append((latent,), None)[0]
-
-
 class LMCache:
     """What decoding carries from one step to the next: one cache per layer, changed in place by
     :meth:`~transformer_tutorial.lm.model.LanguageModel.step`. ``length``, the positions decoded
@@ -264,8 +260,8 @@ class LMCache:
         for i, layer in enumerate(layers):
             if not (hasattr(layer, "seen") and hasattr(layer, "rewind")):
                 raise TypeError(
-                    f"layers[{i}] must be a layer's cache (GroupedKVCache, LatentKVCache, "
-                    f"PagedKVCache), got {type(layer).__name__}"
+                    f"layers[{i}] must be a layer's cache (SequenceBuffers, PagedCache), got "
+                    f"{type(layer).__name__}"
                 )
         self.layers = tuple(layers)
 
@@ -288,5 +284,37 @@ class LMCache:
         return sum(layer.nbytes for layer in self.layers)
 
 
-def check_cache_kind(kind: str) -> None:
-    check_choice("kind", kind, CACHE_KINDS)
+class SequencePiece(Piece):
+    """Chapter 16's two kinds of cache, :class:`SequenceBuffers` growing or preallocated."""
+
+    def __init__(self, preallocated: bool) -> None:
+        self.preallocated = preallocated
+
+    def new(
+        self,
+        layouts: Sequence[CacheLayout],
+        batch_size: int,
+        *,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        **options: Any,
+    ) -> LMCache:
+        """One empty cache per layout (a model's layers'); a preallocated one holds ``max_len``
+        positions of ``batch_size`` rows, in ``dtype`` on ``device``."""
+        if options:
+            raise TypeError(f"this cache takes no {', '.join(options)} (the paged one does)")
+        if not self.preallocated:
+            return LMCache([SequenceBuffers(layout) for layout in layouts])
+        return LMCache(
+            [
+                SequenceBuffers.preallocate(
+                    layout, batch_size, max_len, dtype=dtype, device=device
+                )
+                for layout in layouts
+            ]
+        )
+
+
+CACHE_KINDS.register("growing", SequencePiece(preallocated=False))
+CACHE_KINDS.register("preallocated", SequencePiece(preallocated=True))

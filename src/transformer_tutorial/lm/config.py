@@ -1,10 +1,11 @@
 """Chapters 13-17: the language model's configuration, at the bottom of its imports.
 
-:class:`LMConfig` holds every hyperparameter, the valid choices of each switchable piece are
-named here as tuples (the norms' are ``norms.NORMS``, the feed-forwards'
-``feed_forward.FEED_FORWARDS``), and ``LLAMA`` and ``QWEN3`` are today's choices. The model,
-its layer and the factories of :mod:`~transformer_tutorial.lm.pieces` import this module; it
-imports none of them.
+:class:`LMConfig` holds every hyperparameter as ``transformers``' ``config.json`` does, one flat
+field each; ``LLAMA`` and ``QWEN3`` are today's choices. A field that names a piece
+(``attention``, ``positions``, ``attention_backend``, ``router``) is looked up in its registry
+(:mod:`~transformer_tutorial.lm.registry`), and the piece found checks the fields it reads: the
+config knows no piece by name. It imports only the registries, the checks and the rope-scaling
+spec; the model, its layer, the pieces and the factories import it.
 """
 
 from __future__ import annotations
@@ -12,32 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from transformer_tutorial.checks import (
-    check_bool,
-    check_choice,
-    check_int,
-    check_number,
-    check_optional_int,
-)
+from transformer_tutorial.checks import check_bool, check_choice, check_int, check_number
 from transformer_tutorial.feed_forward import FEED_FORWARDS
-from transformer_tutorial.lm.latent_attention import check_latent_dims
-from transformer_tutorial.lm.moe import check_experts, check_groups
-from transformer_tutorial.lm.rope_scaling import REFUSED, RopeScaling, rotary_width
+from transformer_tutorial.lm.registry import CONFIG_REGISTRIES
+from transformer_tutorial.lm.rope_scaling import RopeScaling
 from transformer_tutorial.norms import NORMS
 
-# The choices of lm_pieces' two factories of their own.
-POSITIONS = ("learned", "sinusoidal", "rope")
-ATTENTIONS = ("mha", "gqa", "mla")
-# How chapter 16's attention computes softmax(q kᵀ) v: PyTorch's fused kernels, or chapter 22's
-# tiled forward and backward (without the score matrix: equal in float64; in bf16/fp16 it sums
-# in float32, as FlashAttention does, and is about as accurate; a teaching version).
-ATTENTION_BACKENDS = ("sdpa", "tiled")
-# How chapter 20's router scores the experts: Qwen3-MoE's softmax, or DeepSeek-V3's sigmoid with
-# its correction bias, groups, scaling and shared experts.
-ROUTERS = ("softmax", "sigmoid")
-
 # The switches: True or False only, whether or not their piece is in use (a 0 or 1 would pass
-# the comparisons with the defaults below).
+# the comparisons with the defaults).
 BOOL_FIELDS = (
     "norm_first",
     "bias",
@@ -47,35 +30,6 @@ BOOL_FIELDS = (
     "norm_topk_prob",
     "rope_interleave",
 )
-# The fields only chapter 16's attention has.
-GQA_FIELDS = {"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None}
-# The fields only DeepSeek-V3's mixture of experts has (router="sigmoid").
-DEEPSEEK_MOE_FIELDS = {
-    "n_shared_experts": 0,
-    "n_group": 1,
-    "topk_group": 1,
-    "routed_scaling_factor": 1.0,
-}
-# The fields only chapter 20's mixture of experts has (n_experts=0: every layer dense).
-MOE_FIELDS = {
-    "n_experts_per_token": 1,
-    "moe_d_ff": None,
-    "norm_topk_prob": False,
-    "sparse_step": 1,
-    "dense_layers": (),
-    "router_aux_loss_coef": 0.001,
-    "router": "softmax",
-    **DEEPSEEK_MOE_FIELDS,
-}
-# The fields only chapter 21's latent attention has.
-MLA_FIELDS = {
-    "q_lora_rank": None,
-    "kv_lora_rank": None,
-    "qk_nope_head_dim": None,
-    "qk_rope_head_dim": None,
-    "v_head_dim": None,
-    "rope_interleave": False,
-}
 
 
 @dataclass(frozen=True)
@@ -169,78 +123,15 @@ class LMConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_len"):
             check_int(name, getattr(self, name), at_least=1)
-        for name in ("n_kv_heads", "d_head", "window"):
-            check_optional_int(name, getattr(self, name), at_least=1)
         check_number("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         check_number("layer_norm_eps", self.layer_norm_eps, low=0.0, low_open=True)
         check_number("rope_base", self.rope_base, low=1.0, low_open=True)
         check_choice("norm", self.norm, NORMS)
         check_choice("activation", self.activation, FEED_FORWARDS)
-        check_choice("positions", self.positions, POSITIONS)
-        check_choice("attention", self.attention, ATTENTIONS)
-        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        tiled = self.attention_backend == "tiled"
-        if tiled and (self.attention != "gqa" or self.dropout or self.window is not None):
-            raise ValueError(
-                "attention_backend='tiled' is chapter 22's attention for chapter 16's layout: "
-                f"set attention='gqa', dropout=0 and window=None (got {self.attention!r}, "
-                f"{self.dropout}, {self.window})"
-            )
         for name in BOOL_FIELDS:
             check_bool(name, getattr(self, name))
-        self._check_heads()
-        self._check_latent()
-        self._check_rope()
-        self._check_experts()
-
-    def _check_experts(self) -> None:
-        check_int("n_experts", self.n_experts, at_least=0)
-        if self.n_experts == 0:
-            chosen = [
-                f"{k}={getattr(self, k)!r}" for k, v in MOE_FIELDS.items() if getattr(self, k) != v
-            ]
-            if chosen:
-                raise ValueError(f"{', '.join(chosen)}: mixture of experts only; set n_experts")
-            return
-        check_experts(self.n_experts, self.n_experts_per_token, top_k_name="n_experts_per_token")
-        check_optional_int("moe_d_ff", self.moe_d_ff, at_least=1)
-        check_int("sparse_step", self.sparse_step, at_least=1)
-        check_number("router_aux_loss_coef", self.router_aux_loss_coef, low=0.0)
-        check_choice("router", self.router, ROUTERS)
-        if self.router == "softmax":
-            chosen = [
-                f"{k}={getattr(self, k)!r}"
-                for k, v in DEEPSEEK_MOE_FIELDS.items()
-                if getattr(self, k) != v
-            ]
-            if chosen:
-                raise ValueError(
-                    f"{', '.join(chosen)}: DeepSeek-V3's mixture only; set router='sigmoid'"
-                )
-        else:
-            check_groups(
-                self.n_experts,
-                self.n_experts_per_token,
-                self.n_group,
-                self.topk_group,
-                top_k_name="n_experts_per_token",
-            )
-            check_int("n_shared_experts", self.n_shared_experts, at_least=0)
-            check_number(
-                "routed_scaling_factor", self.routed_scaling_factor, low=0.0, low_open=True
-            )
-        if not isinstance(self.dense_layers, tuple) or not all(
-            type(i) is int and 0 <= i < self.n_layers for i in self.dense_layers
-        ):
-            raise ValueError(
-                f"dense_layers must be a tuple of layer indices 0 to {self.n_layers - 1}, "
-                f"got {self.dense_layers!r}"
-            )
-        if self.activation != "swiglu" or self.bias:
-            raise ValueError(
-                "the experts are SwiGLU layers without biases: set activation='swiglu' and "
-                f"bias=False with n_experts (got {self.activation!r}, bias={self.bias})"
-            )
+        for registry in CONFIG_REGISTRIES:  # each chosen piece checks the fields it reads
+            registry.check(self)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) has a mixture of experts, as Qwen3-MoE decides."""
@@ -249,74 +140,6 @@ class LMConfig:
             and layer not in self.dense_layers
             and (layer + 1) % self.sparse_step == 0
         )
-
-    def _check_latent(self) -> None:
-        if self.attention != "mla":
-            chosen = [
-                f"{k}={getattr(self, k)!r}" for k, v in MLA_FIELDS.items() if getattr(self, k) != v
-            ]
-            if chosen:
-                raise ValueError(
-                    f"{', '.join(chosen)}: latent attention only; set attention='mla'"
-                )
-            return
-        chosen = [
-            f"{k}={getattr(self, k)!r}" for k, v in GQA_FIELDS.items() if getattr(self, k) != v
-        ]
-        if chosen:
-            raise ValueError(f"{', '.join(chosen)}: chapter 16's attention only, not 'mla'")
-        missing = [k for k in list(MLA_FIELDS)[1:5] if getattr(self, k) is None]
-        if missing:
-            raise ValueError(f"attention='mla' needs {', '.join(missing)}")
-        check_latent_dims(**{k: getattr(self, k) for k in list(MLA_FIELDS)[:5]})
-        if self.positions != "rope" or self.partial_rotary_factor != 1.0 or self.bias:
-            raise ValueError(
-                "attention='mla' rotates its own qk_rope_head_dim part of each head, without "
-                "biases: set positions='rope', partial_rotary_factor=1.0 and bias=False (got "
-                f"{self.positions!r}, {self.partial_rotary_factor}, {self.bias})"
-            )
-
-    def _check_rope(self) -> None:
-        scaled = self.rope_scaling is not None or self.partial_rotary_factor != 1.0
-        if scaled and self.positions != "rope":
-            raise ValueError(
-                "rope_scaling and partial_rotary_factor change rotary positions: set "
-                f"positions='rope' (got {self.positions!r})"
-            )
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise TypeError(
-                f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}; from "
-                "transformers' rope_parameters: RopeScaling.from_parameters(...)"
-            )
-        if self.rope_scaling is not None and self.rope_scaling.rope_type in REFUSED:
-            raise ValueError(REFUSED[self.rope_scaling.rope_type])
-        if self.positions == "rope" and self.attention != "mla":
-            rotary_width(self.head_dim, self.partial_rotary_factor)
-
-    def _check_heads(self) -> None:
-        if self.attention == "mha":
-            chosen = [
-                f"{k}={getattr(self, k)!r}" for k, v in GQA_FIELDS.items() if getattr(self, k) != v
-            ]
-            if self.positions == "rope":
-                chosen.append("positions='rope'")
-            if chosen:
-                raise ValueError(
-                    f"{', '.join(chosen)}: chapter 16's attention only; set attention='gqa'"
-                )
-        if self.attention == "mla":
-            return  # its widths are its own fields (_check_latent)
-        if self.d_head is None and self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}: each "
-                "key/value head serves n_heads // n_kv_heads query heads"
-            )
-        if self.positions == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"d_model={self.d_model} must be even for sinusoidal positions")
-        if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(f"the head width {self.head_dim} must be even for rotary positions")
 
     @property
     def head_dim(self) -> int:

@@ -10,6 +10,8 @@ with True = blocked (see :mod:`transformer_tutorial.masks`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,21 +19,15 @@ from torch import Tensor, nn
 
 from transformer_tutorial.checks import (
     check_bool,
-    check_choice,
     check_int,
     check_number,
     check_optional_int,
     check_tensor,
 )
-from transformer_tutorial.lm.cache import GroupedKVCache
-from transformer_tutorial.masks import (
-    causal_mask,
-    check_padding_mask,
-    merge_masks,
-    sliding_window_causal_mask,
-)
+from transformer_tutorial.lm.cache import CacheLayout, LayerCache
+from transformer_tutorial.lm.registry import ATTENTION_KERNELS, ATTENTIONS, Piece
+from transformer_tutorial.masks import check_padding_mask, sdpa_mask
 from transformer_tutorial.norms import RMSNorm
-from transformer_tutorial.tiled_attention import tiled_attention
 
 # A position scheme: (queries (B, H, L, Dh), keys (B, Hkv, L, Dh), position ids (B, L)) → the
 # queries and keys it has encoded the positions into (rotary embeddings, chapter 15).
@@ -76,16 +72,16 @@ def check_attention_input(
     attention: nn.Module, x: Tensor, cache: object, position_ids: Tensor | None
 ) -> None:
     """What a self-attention (chapter 16's, chapter 21's) is called with, before any cache
-    changes: ``x`` float ``(B, L, D)``, a cache that holds what it keeps (its
-    ``cache_holds``), position ids ``(B, L)`` or ``(L,)``."""
+    changes: ``x`` float ``(B, L, D)``, a cache of the layout it declares (its
+    ``cache_layout``), position ids ``(B, L)`` or ``(L,)``."""
     D = attention.d_model
     check_tensor("x", x, kind="float", dims=3, shape=f"(B, L, D={D})")
     if x.size(-1) != D:
         raise ValueError(f"x must be (B, L, D={D}), got {tuple(x.shape)}")
-    if cache is not None and getattr(cache, "holds", None) != attention.cache_holds:
+    if cache is not None and getattr(cache, "layout", None) != attention.cache_layout:
         raise TypeError(
-            f"cache must hold {attention.cache_holds} (the attention's empty_cache), got "
-            f"{type(cache).__name__}"
+            f"cache must keep {attention.cache_layout} (the attention's cache_layout), got "
+            f"{type(cache).__name__} keeping {getattr(cache, 'layout', None)}"
         )
     if position_ids is not None:
         check_tensor("position_ids", position_ids, kind="int", dims=(1, 2), shape="(B, L)")
@@ -109,24 +105,25 @@ class GroupedQueryAttention(nn.Module):
             position scheme, as Qwen3 does; ``norm_eps`` is its epsilon.
         window: each query sees at most this many keys, itself included (a sliding window);
             None sees every earlier position.
-        positions: a :data:`PositionHook` applied to queries and keys with their position ids
+        rotary: a :data:`PositionHook` applied to queries and keys with their position ids
             (rotary embeddings); None leaves them as they are.
         dropout: dropout on the attention weights while training.
-        backend: ``"sdpa"`` (``F.scaled_dot_product_attention``) or ``"tiled"`` (chapter 22's
-            :func:`~transformer_tutorial.tiled_attention.tiled_attention`: without the score
-            matrix, equal in float64 and about as accurate in bf16/fp16; no window, no dropout).
+        backend: the kernel that computes softmax(q kᵀ) v, a name of
+            :data:`~transformer_tutorial.lm.registry.ATTENTION_KERNELS` chosen here once:
+            ``"sdpa"`` (:func:`sdpa_kernel`: ``F.scaled_dot_product_attention``), or chapter 22's
+            ``"tiled"`` (without the score matrix; no window, no dropout).
 
     Shapes:
         x ``(B, L, D)`` → ``(B, L, D)``; ``position_ids`` ``(B, L)`` (default: the positions after
         those the cache has seen); ``key_padding_mask`` ``(B, seen + L)``, True at padding.
 
-    With a :class:`GroupedKVCache` the call decodes ``L`` new positions after those the cache
-    holds, whose queries are the *last* ``L`` of the keys: the causal mask is aligned
-    bottom-right (:func:`~transformer_tutorial.masks.causal_mask` with ``k_len > q_len``).
+    With a cache (:attr:`cache_layout`: keys and values) the call decodes ``L`` new positions
+    after those the cache holds, whose queries are the *last* ``L`` of the keys: the causal mask
+    is aligned bottom-right (:func:`~transformer_tutorial.masks.causal_mask` with
+    ``k_len > q_len``).
     """
 
     # What writes into the residual stream: a language model initialises it smaller.
-    cache_holds = "keys and values"  # the cache it reads and writes (lm.cache)
     residual_projections = ("out_proj.weight",)
 
     def __init__(
@@ -140,18 +137,12 @@ class GroupedQueryAttention(nn.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
         window: int | None = None,
-        positions: PositionHook | None = None,
+        rotary: PositionHook | None = None,
         dropout: float = 0.0,
         backend: str = "sdpa",
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        check_choice("backend", backend, ("sdpa", "tiled"))
-        if backend == "tiled" and (window is not None or dropout):
-            raise ValueError(
-                "backend='tiled' (chapter 22) has no sliding window and no dropout: set "
-                f"window=None and dropout=0 (got {window}, {dropout})"
-            )
         check_int("d_model", d_model, at_least=1)
         check_int("n_heads", n_heads, at_least=1)
         check_int("n_kv_heads", n_kv_heads, at_least=1)
@@ -172,14 +163,16 @@ class GroupedQueryAttention(nn.Module):
                 f"serves n_heads // n_kv_heads query heads. Choose one of "
                 f"{[h for h in range(1, n_heads + 1) if n_heads % h == 0]}"
             )
-        if positions is not None and not callable(positions):
+        if rotary is not None and not callable(rotary):
             raise TypeError(
-                f"positions must be callable (q, k, position_ids) or None, got {positions!r}"
+                f"rotary must be callable (q, k, position_ids) or None, got {rotary!r}"
             )
+        kernel = ATTENTION_KERNELS[backend]
+        kernel.check_attention(window=window, dropout=dropout)
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.d_head = d_model // n_heads if d_head is None else d_head
-        self.window, self.positions, self.dropout = window, positions, dropout
-        self.backend = backend
+        self.window, self.rotary, self.dropout = window, rotary, dropout
+        self.backend, self.kernel = backend, kernel.attend  # chosen once, here
         self.q_proj = nn.Linear(d_model, n_heads * self.d_head, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
@@ -187,10 +180,16 @@ class GroupedQueryAttention(nn.Module):
         self.q_norm = RMSNorm(self.d_head, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.d_head, norm_eps) if qk_norm else None
 
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """What its cache keeps: keys and values ``(B, Hkv, S, Dh)``."""
+        shape = (self.n_kv_heads, self.d_head)
+        return CacheLayout(("k", "v"), (shape, shape), seq_dim=2)
+
     def forward(
         self,
         x: Tensor,
-        cache: GroupedKVCache | None = None,
+        cache: LayerCache | None = None,
         *,
         position_ids: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
@@ -208,84 +207,114 @@ class GroupedQueryAttention(nn.Module):
         if self.q_norm is not None:  # 2) QK-norm: each head's vector, before the positions
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, L, Dh), (B, Hkv, L, Dh)
-        if self.positions is not None:  # 3) positions, e.g. rotary
+        if self.rotary is not None:  # 3) positions, e.g. rotary
             if position_ids is None:
                 position_ids = torch.arange(seen, seen + L, device=x.device).expand(B, L)
-            q, k = self.positions(q, k, position_ids)
+            q, k = self.rotary(q, k, position_ids)
         if cache is not None:  # 4) cache: every held position's keys, (B, Hkv, S, Dh)
             keep = None if self.window is None else self.window - 1
             k, v = cache.update(k, v, keep=keep)
-        if self.backend == "tiled":  # 5) chapter 22: the same, one tile of scores at a time
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask[:, -k.size(2) :]  # the positions held
-            out = tiled_attention(
-                q.contiguous(), k, v, key_padding_mask=key_padding_mask, is_causal=True
-            )
-            out = out.transpose(1, 2).reshape(B, L, self.n_heads * self.d_head)
-            return self.out_proj(out)
-        allowed, is_causal = self._allowed(B, L, k.size(2), seen, key_padding_mask)
-        out = F.scaled_dot_product_attention(  # 5) attend, each K/V head serving its group
-            q,
-            k,
-            v,
-            attn_mask=allowed,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        # 5) attend, each K/V head serving its group: (B, H, L, Dh), by the kernel chosen once
+        out = self.kernel(self, q, k, v, key_padding_mask=key_padding_mask)
         out = out.transpose(1, 2).reshape(B, L, self.n_heads * self.d_head)  # 6) concat heads
         return self.out_proj(out)
-
-    def empty_cache(
-        self,
-        batch_size: int,
-        max_len: int | None = None,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> GroupedKVCache:
-        """An empty cache for this attention: growing (``max_len`` None) or preallocated for
-        ``max_len`` positions of ``batch_size`` rows."""
-        check_int("batch_size", batch_size, at_least=1)
-        if max_len is None:
-            return GroupedKVCache()
-        return GroupedKVCache.preallocate(
-            batch_size, self.n_kv_heads, max_len, self.d_head, dtype=dtype, device=device
-        )
-
-    def _allowed(
-        self, B: int, L: int, S: int, seen: int, key_padding_mask: Tensor | None
-    ) -> tuple[Tensor | None, bool]:
-        """F.sdpa's ``attn_mask`` (True = attend) and ``is_causal``. Without padding, two
-        common cases need no mask tensor, which leaves F.sdpa every kernel (on CUDA,
-        FlashAttention takes no mask tensor, and a grouped call no fused kernel takes runs the
-        math path, which copies the keys and values): a whole sequence, ``L == S``, is plain
-        causal attention (``is_causal=True``); one new token after the cache sees every key the
-        cache holds (it keeps at most ``window`` of them)."""
-        if key_padding_mask is None and (self.window is None or self.window >= S):
-            if L == S and self.window is None:
-                return None, True
-            if L == 1:
-                return None, False
-        return ~self._blocked(B, L, S, seen, key_padding_mask), False
-
-    def _blocked(
-        self, B: int, L: int, S: int, seen: int, key_padding_mask: Tensor | None
-    ) -> Tensor:
-        """True = blocked, ``(B or 1, 1, L, S)``: the future, keys out of the window, padding."""
-        if self.window is None:
-            attn_mask = causal_mask(L, S, device=self._device())
-        else:
-            attn_mask = sliding_window_causal_mask(L, S, window=self.window, device=self._device())
-        if key_padding_mask is not None:
-            key_padding_mask = key_padding_mask[:, seen + L - S :]  # the positions held
-        return merge_masks(attn_mask, key_padding_mask, batch_size=B, q_len=L, k_len=S)
-
-    def _device(self) -> torch.device:
-        return self.q_proj.weight.device
 
     def extra_repr(self) -> str:
         return (
             f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, "
             f"window={self.window}"
         )
+
+
+def sdpa_kernel(
+    attention: GroupedQueryAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None,
+) -> Tensor:
+    """Chapter 16's kernel: PyTorch's fused ``F.scaled_dot_product_attention`` over the held
+    keys, under the causal mask aligned bottom-right, the window and the padding
+    (:func:`~transformer_tutorial.masks.sdpa_mask`: no mask tensor where none is needed).
+
+    Shapes: q ``(B, H, L, Dh)``, k and v ``(B, Hkv, S, Dh)`` → ``(B, H, L, Dh)``."""
+    B, _, L, _ = q.shape
+    allowed, is_causal = sdpa_mask(
+        B, L, k.size(2), key_padding_mask, window=attention.window, device=q.device
+    )
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=allowed,
+        dropout_p=attention.dropout if attention.training else 0.0,
+        is_causal=is_causal,
+        enable_gqa=attention.n_kv_heads != attention.n_heads,
+    )
+
+
+class KernelPiece(Piece):
+    """An attention kernel for :class:`GroupedQueryAttention` (``LMConfig.attention_backend``):
+    ``attend(attention, q, k, v, key_padding_mask=...)`` and the settings it cannot serve.
+    ``every_attention``: the default, which the other attentions' own calls stand for (their
+    ``attention_backend`` stays at it)."""
+
+    def __init__(self, attend: Callable[..., Tensor], *, every_attention: bool = False) -> None:
+        self.attend, self.every_attention = attend, every_attention
+
+    def check_attention(self, *, window: int | None, dropout: float) -> None:
+        """Raise if this kernel cannot serve an attention with ``window`` and ``dropout``."""
+
+    def check(self, config: Any) -> None:
+        if not self.every_attention and not ATTENTIONS[config.attention].takes_kernel:
+            raise ValueError(
+                f"attention_backend={config.attention_backend!r} chooses the kernel of chapter "
+                f"16's attention; attention={config.attention!r} has its own: set "
+                "attention='gqa'"
+            )
+        self.check_attention(window=config.window, dropout=config.dropout)
+
+
+class GroupedAttentionPiece(Piece):
+    """``attention="gqa"``: chapter 16's :class:`GroupedQueryAttention`."""
+
+    owns = MappingProxyType({"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None})
+    takes_kernel = True
+
+    def check(self, config: Any) -> None:
+        for name in ("n_kv_heads", "d_head", "window"):
+            check_optional_int(name, getattr(config, name), at_least=1)
+        if config.d_head is None and config.d_model % config.n_heads:
+            raise ValueError(
+                f"d_model={config.d_model} must be divisible by n_heads={config.n_heads}"
+            )
+        if config.n_kv_heads is not None and config.n_heads % config.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={config.n_kv_heads} must divide n_heads={config.n_heads}: each "
+                "key/value head serves n_heads // n_kv_heads query heads"
+            )
+
+    def rotary_layout(self, config: Any) -> dict[str, Any]:
+        """What rotary positions turn in each head: the first ``partial_rotary_factor`` of
+        its ``head_dim`` coordinates, the halves paired."""
+        return dict(dim=config.head_dim, partial_rotary_factor=config.partial_rotary_factor)
+
+    def build(self, config: Any, rotary: PositionHook | None) -> GroupedQueryAttention:
+        return GroupedQueryAttention(
+            config.d_model,
+            config.n_heads,
+            config.n_kv_heads,
+            d_head=config.d_head,
+            bias=config.bias,
+            qk_norm=config.qk_norm,
+            norm_eps=config.layer_norm_eps,
+            window=config.window,
+            rotary=rotary,
+            dropout=config.dropout,
+            backend=config.attention_backend,
+        )
+
+
+ATTENTIONS.register("gqa", GroupedAttentionPiece())
+ATTENTION_KERNELS.register("sdpa", KernelPiece(sdpa_kernel, every_attention=True))

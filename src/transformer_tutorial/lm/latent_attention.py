@@ -19,6 +19,8 @@ shared rotary key ``(B, 1, S, Dr)``; values ``(B, H, S, Dv)``. Masks are bool, T
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +32,11 @@ from transformer_tutorial.checks import (
     check_number,
     check_optional_int,
 )
-from transformer_tutorial.lm.cache import LatentKVCache
+from transformer_tutorial.lm.cache import CacheLayout, LayerCache
 from transformer_tutorial.lm.grouped_attention import PositionHook, check_attention_input
+from transformer_tutorial.lm.registry import ATTENTIONS, POSITIONS, Piece
 from transformer_tutorial.lm.rope_scaling import RopeScaling, check_scaling
-from transformer_tutorial.masks import causal_mask, check_padding_mask, merge_masks
+from transformer_tutorial.masks import causal_mask, check_padding_mask, sdpa_mask
 from transformer_tutorial.norms import RMSNorm
 
 
@@ -88,7 +91,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_lora_rank: queries through a latent of this width (with its RMSNorm); None: directly.
         latent_norm_eps: the epsilon of the latents' RMSNorms (DeepSeek's 1e-6, whatever the
             model's ``rms_norm_eps``).
-        positions: a :data:`~transformer_tutorial.lm.grouped_attention.PositionHook` for the
+        rotary: a :data:`~transformer_tutorial.lm.grouped_attention.PositionHook` for the
             rotary parts ``(B, H, L, Dr)`` and ``(B, 1, L, Dr)``; None: no positions.
         softmax_scale: the factor of the scores (default ``1/√(Dn + Dr)``; see
             :func:`mla_softmax_scale`).
@@ -124,7 +127,6 @@ class MultiHeadLatentAttention(nn.Module):
     """
 
     # What writes into the residual stream: a language model initialises it smaller.
-    cache_holds = "latents"  # the cache it reads and writes (lm.cache)
     residual_projections = ("out_proj.weight",)
 
     def __init__(
@@ -138,7 +140,7 @@ class MultiHeadLatentAttention(nn.Module):
         v_head_dim: int,
         q_lora_rank: int | None = None,
         latent_norm_eps: float = 1e-6,
-        positions: PositionHook | None = None,
+        rotary: PositionHook | None = None,
         softmax_scale: float | None = None,
         dropout: float = 0.0,
         absorbed: bool | None = None,
@@ -159,16 +161,17 @@ class MultiHeadLatentAttention(nn.Module):
             check_bool("absorbed", absorbed)
         if softmax_scale is not None:
             check_number("softmax_scale", softmax_scale, low=0.0, low_open=True)
-        if positions is not None and not callable(positions):
+        if rotary is not None and not callable(rotary):
             raise TypeError(
-                f"positions must be callable (q, k, position_ids) or None, got {positions!r}"
+                f"rotary must be callable (q, k, position_ids) or None, got {rotary!r}"
             )
         self.d_model, self.n_heads = d_model, n_heads
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
-        self.d_nope, self.d_rope, self.d_v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.v_head_dim = v_head_dim
         d_qk = qk_nope_head_dim + qk_rope_head_dim
         self.softmax_scale = d_qk**-0.5 if softmax_scale is None else softmax_scale
-        self.positions, self.dropout, self.absorbed = positions, dropout, absorbed
+        self.rotary, self.dropout, self.absorbed = rotary, dropout, absorbed
         if q_lora_rank is None:
             self.q_proj = nn.Linear(d_model, n_heads * d_qk, bias=False)
         else:
@@ -186,7 +189,7 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cache: LatentKVCache | None = None,
+        cache: LayerCache | None = None,
         *,
         position_ids: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
@@ -197,7 +200,12 @@ class MultiHeadLatentAttention(nn.Module):
         every held latent up-projected; None (the default): :meth:`absorbs` chooses."""
         self._check_input(x, cache, position_ids, absorbed)
         B, L, _ = x.shape
-        H, Dc, Dn, Dr = self.n_heads, self.kv_lora_rank, self.d_nope, self.d_rope
+        H, Dc, Dn, Dr = (
+            self.n_heads,
+            self.kv_lora_rank,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+        )
         seen = 0 if cache is None else cache.seen
         check_padding_mask("key_padding_mask", key_padding_mask, "(B, seen + L)", (B, seen + L))
         # 1) queries, directly or through their own latent: (B, H, L, Dn + Dr)
@@ -210,18 +218,18 @@ class MultiHeadLatentAttention(nn.Module):
         # 2) the latent, normalised, and the shared rotary key: (B, L, Dc), (B, 1, L, Dr)
         latent, k_rope = self.kv_a_proj(x).split([Dc, Dr], dim=-1)
         latent, k_rope = self.kv_a_norm(latent), k_rope[:, None]
-        if self.positions is not None:  # 3) rotate the rotary parts only
+        if self.rotary is not None:  # 3) rotate the rotary parts only
             if position_ids is None:
                 position_ids = torch.arange(seen, seen + L, device=x.device).expand(B, L)
-            q_rope, k_rope = self.positions(q_rope, k_rope, position_ids)
+            q_rope, k_rope = self.rotary(q_rope, k_rope, position_ids)
         new = torch.cat([latent, k_rope[:, 0]], dim=-1)  # (B, L, Dc + Dr): what is cached
-        held = new if cache is None else cache.update(new)  # 4) (B, S, Dc + Dr)
-        allowed, is_causal = self._allowed(B, L, held.size(1), key_padding_mask)
+        held = new if cache is None else cache.update(new)[0]  # 4) (B, S, Dc + Dr)
+        allowed, is_causal = sdpa_mask(B, L, held.size(1), key_padding_mask, device=x.device)
         if absorbed is None:
             absorbed = self.absorbs(L, seen)
         attend = self._attend_absorbed if absorbed else self._attend
         out = attend(q_nope, q_rope, held, allowed, is_causal)  # (B, H, L, Dv)
-        out = out.transpose(1, 2).reshape(B, L, H * self.d_v)  # 6) concat heads
+        out = out.transpose(1, 2).reshape(B, L, H * self.v_head_dim)  # 6) concat heads
         return self.out_proj(out)
 
     def _check_input(
@@ -240,33 +248,24 @@ class MultiHeadLatentAttention(nn.Module):
         check_int("seen", seen, at_least=0)
         if self.absorbed is not None:
             return self.absorbed
-        Dc, d_kv = self.kv_lora_rank, self.d_nope + self.d_v
+        Dc, d_kv = self.kv_lora_rank, self.qk_nope_head_dim + self.v_head_dim
         return seen > 0 and new * (seen + new) * (2 * Dc - d_kv) < seen * Dc * d_kv
 
-    def empty_cache(
-        self,
-        batch_size: int,
-        max_len: int | None = None,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> LatentKVCache:
-        """An empty cache of latents: growing (``max_len`` None) or preallocated."""
-        check_int("batch_size", batch_size, at_least=1)
-        if max_len is None:
-            return LatentKVCache()
-        width = self.kv_lora_rank + self.d_rope
-        return LatentKVCache.preallocate(batch_size, max_len, width, dtype=dtype, device=device)
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """What its cache keeps: per position the normalised latent then the rotated shared
+        key, ``(B, S, Dc + Dr)`` in one tensor."""
+        return CacheLayout(("latent",), ((self.kv_lora_rank + self.qk_rope_head_dim,),), 1)
 
     def _attend(
         self, q_nope: Tensor, q_rope: Tensor, held: Tensor, allowed: Tensor | None, causal: bool
     ) -> Tensor:
         """5) Up-project every held latent to H keys and values, then attend."""
         B, S, _ = held.shape
-        H, Dn, Dr = self.n_heads, self.d_nope, self.d_rope
+        H, Dn, Dr = self.n_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
         latent, k_rope = held.split([self.kv_lora_rank, Dr], dim=-1)
-        kv = self.kv_b_proj(latent).view(B, S, H, Dn + self.d_v).transpose(1, 2)
-        k_nope, v = kv.split([Dn, self.d_v], dim=-1)  # (B, H, S, Dn), (B, H, S, Dv)
+        kv = self.kv_b_proj(latent).view(B, S, H, Dn + self.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split([Dn, self.v_head_dim], dim=-1)  # (B, H, S, Dn), (B, H, S, Dv)
         k = torch.cat([k_nope, k_rope[:, None].expand(B, H, S, Dr)], dim=-1)  # (B, H, S, Dn+Dr)
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, L, Dn + Dr)
         return self._sdpa(q, k, v, allowed, causal)
@@ -278,8 +277,12 @@ class MultiHeadLatentAttention(nn.Module):
         which every head's queries read as one longer sequence of queries (``H · L`` rows)."""
         B, H, L, _ = q_nope.shape
         S = held.size(1)
-        w = self.kv_b_proj.weight.view(H, self.d_nope + self.d_v, self.kv_lora_rank)
-        w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # (H, Dn, Dc), (H, Dv, Dc)
+        w = self.kv_b_proj.weight.view(
+            H, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+        )
+        w_uk, w_uv = w.split(
+            [self.qk_nope_head_dim, self.v_head_dim], dim=1
+        )  # (H, Dn, Dc), (H, Dv, Dc)
         q_latent = torch.einsum("bhld,hdc->bhlc", q_nope, w_uk)  # (B, H, L, Dc)
         q = torch.cat([q_latent, q_rope], dim=-1).reshape(B, 1, H * L, -1)  # (B, 1, H·L, Dc+Dr)
         k = held[:, None]  # (B, 1, S, Dc + Dr): one key head, shared
@@ -304,25 +307,11 @@ class MultiHeadLatentAttention(nn.Module):
             scale=self.softmax_scale,
         )
 
-    def _allowed(
-        self, B: int, L: int, S: int, key_padding_mask: Tensor | None
-    ) -> tuple[Tensor | None, bool]:
-        """F.sdpa's ``attn_mask`` (True = attend) and ``is_causal``, as chapter 16's: no mask
-        tensor for a whole sequence or one new token without padding."""
-        if key_padding_mask is None:
-            if L == S:
-                return None, True
-            if L == 1:
-                return None, False
-        future = causal_mask(L, S, device=self.kv_a_proj.weight.device)  # bottom-right
-        blocked = merge_masks(future, key_padding_mask, batch_size=B, q_len=L, k_len=S)
-        return ~blocked, False
-
     def extra_repr(self) -> str:
         return (
             f"n_heads={self.n_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank="
-            f"{self.kv_lora_rank}, qk_nope_head_dim={self.d_nope}, qk_rope_head_dim="
-            f"{self.d_rope}, v_head_dim={self.d_v}"
+            f"{self.kv_lora_rank}, qk_nope_head_dim={self.qk_nope_head_dim}, qk_rope_head_dim="
+            f"{self.qk_rope_head_dim}, v_head_dim={self.v_head_dim}"
         )
 
 
@@ -344,3 +333,58 @@ def latent_cache_bytes(
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     return n_layers * batch_size * length * (kv_lora_rank + qk_rope_head_dim) * dtype.itemsize
+
+
+class LatentAttentionPiece(Piece):
+    """``attention="mla"``: chapter 21's :class:`MultiHeadLatentAttention`, its scores scaled as
+    DeepSeek's; rotary positions on its ``qk_rope_head_dim`` part only."""
+
+    owns = MappingProxyType(
+        {
+            "q_lora_rank": None,
+            "kv_lora_rank": None,
+            "qk_nope_head_dim": None,
+            "qk_rope_head_dim": None,
+            "v_head_dim": None,
+            "rope_interleave": False,
+        }
+    )
+    takes_kernel = False
+
+    def check(self, config: Any) -> None:
+        missing = [k for k in list(self.owns)[1:5] if getattr(config, k) is None]
+        if missing:
+            raise ValueError(f"attention='mla' needs {', '.join(missing)}")
+        check_latent_dims(**{k: getattr(config, k) for k in list(self.owns)[:5]})
+        in_attention = POSITIONS[config.positions].in_attention
+        if not in_attention or config.partial_rotary_factor != 1.0 or config.bias:
+            raise ValueError(
+                "attention='mla' rotates its own qk_rope_head_dim part of each head, without "
+                "biases: set positions='rope', partial_rotary_factor=1.0 and bias=False (got "
+                f"{config.positions!r}, {config.partial_rotary_factor}, {config.bias})"
+            )
+
+    def rotary_layout(self, config: Any) -> dict[str, Any]:
+        """The ``qk_rope_head_dim`` part of each head, its pairs interleaved with
+        ``rope_interleave`` (DeepSeek's checkpoints)."""
+        layout = "interleaved" if config.rope_interleave else "half_split"
+        return dict(dim=config.qk_rope_head_dim, layout=layout)
+
+    def build(self, config: Any, rotary: PositionHook | None) -> MultiHeadLatentAttention:
+        return MultiHeadLatentAttention(
+            config.d_model,
+            config.n_heads,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            q_lora_rank=config.q_lora_rank,
+            rotary=rotary,
+            softmax_scale=mla_softmax_scale(
+                config.qk_nope_head_dim + config.qk_rope_head_dim, config.rope_scaling
+            ),
+            dropout=config.dropout,
+        )
+
+
+ATTENTIONS.register("mla", LatentAttentionPiece())

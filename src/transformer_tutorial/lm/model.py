@@ -30,10 +30,11 @@ from transformer_tutorial.checks import (
     check_tensor,
     check_type,
 )
-from transformer_tutorial.lm.cache import LMCache, check_cache_kind
+from transformer_tutorial.lm.cache import LMCache
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.layer import DecoderOnlyLayer
 from transformer_tutorial.lm.pieces import make_norm, make_positions, make_rotary
+from transformer_tutorial.lm.registry import CACHE_KINDS
 from transformer_tutorial.masks import check_padding_mask
 
 
@@ -81,7 +82,7 @@ class LanguageModel(nn.Module):
         garbage)."""
         self._init_weights()
         if self.rotary is not None:
-            self.rotary.rotary.reset_tables()
+            self.rotary.reset_tables()
 
     def _init_weights(self) -> None:
         residual = {
@@ -103,14 +104,20 @@ class LanguageModel(nn.Module):
             nn.init.normal_(self.embed.weight, std=self.config.d_model**-0.5)
 
     def new_cache(
-        self, batch_size: int, kind: str = "growing", *, max_len: int | None = None
+        self,
+        batch_size: int,
+        kind: str = "growing",
+        *,
+        max_len: int | None = None,
+        **options: int,
     ) -> LMCache:
-        """An empty cache for ``batch_size`` rows, one per layer, of the caller's ``kind``:
-        ``"growing"`` (concatenates a step's keys; nothing allocated ahead) or
-        ``"preallocated"`` (each layer's buffers for ``max_len`` positions, default the
-        model's, allocated now in the model's dtype and device). Chapter 23's paged cache:
-        :func:`~transformer_tutorial.lm.paged_cache.paged_cache`."""
-        check_cache_kind(kind)
+        """An empty cache for ``batch_size`` rows, one per layer over the layout its attention
+        declares (``cache_layout``), of the caller's ``kind``
+        (:data:`~transformer_tutorial.lm.registry.CACHE_KINDS`): ``"growing"`` (concatenates a
+        step's keys; nothing allocated ahead), ``"preallocated"`` (each layer's buffers for
+        ``max_len`` positions, default the model's, allocated now in the model's dtype and
+        device) or chapter 23's ``"paged"`` (``n_blocks`` and ``block_size`` in ``options``)."""
+        piece = CACHE_KINDS[kind]
         check_int("batch_size", batch_size, at_least=1)
         check_optional_int("max_len", max_len, at_least=1)
         if max_len is not None and max_len > self.config.max_len:
@@ -118,17 +125,14 @@ class LanguageModel(nn.Module):
                 f"max_len={max_len} exceeds the model's max_len={self.config.max_len}: no step "
                 f"can reach those positions"
             )
-        if kind == "growing":
-            return LMCache([layer.self_attn.empty_cache(batch_size) for layer in self.layers])
         weight = self.embed.weight  # the activations' dtype, even where linears are quantized
-        max_len = self.config.max_len if max_len is None else max_len
-        return LMCache(
-            [
-                layer.self_attn.empty_cache(
-                    batch_size, max_len, dtype=weight.dtype, device=weight.device
-                )
-                for layer in self.layers
-            ]
+        return piece.new(
+            [layer.self_attn.cache_layout for layer in self.layers],
+            batch_size,
+            max_len=self.config.max_len if max_len is None else max_len,
+            dtype=weight.dtype,
+            device=weight.device,
+            **options,
         )
 
     def forward(self, ids: Tensor, *, padding_mask: Tensor | None = None) -> Tensor:
@@ -194,7 +198,7 @@ class LanguageModel(nn.Module):
         position 0, as in ``transformers``' ``generate`` (None without a padding mask)."""
         if padding_mask is None:
             return None
-        if self.config.positions != "rope":
+        if self.rotary is None:
             raise ValueError(
                 "padding_mask needs positions='rope': a position table added to the embeddings "
                 "cannot skip the padding; pad on the right instead"
@@ -211,11 +215,11 @@ class LanguageModel(nn.Module):
                 f"{len(self.layers)} layers (model.new_cache), got {cache!r}"
             )
         for i, (layer, held) in enumerate(zip(self.layers, cache.layers, strict=True)):
-            wanted, holds = layer.self_attn.cache_holds, getattr(held, "holds", None)
+            wanted, holds = layer.self_attn.cache_layout, getattr(held, "layout", None)
             if holds != wanted:
                 raise ValueError(
                     f"layer {i}'s attention keeps {wanted}; its cache ({type(held).__name__}) "
-                    f"holds {holds}: make the cache with this model's new_cache"
+                    f"keeps {holds}: make the cache with this model's new_cache"
                 )
         rows = {layer.batch_size for layer in cache.layers} - {None}
         if rows and rows != {batch_size}:

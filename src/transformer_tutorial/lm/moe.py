@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +35,12 @@ from transformer_tutorial.checks import (
     check_bool,
     check_int,
     check_number,
+    check_optional_int,
     check_tensor,
     check_type,
 )
 from transformer_tutorial.feed_forward import SwiGLU
+from transformer_tutorial.lm.registry import ROUTERS, Piece
 
 
 def check_experts(n_experts: object, top_k: object, *, top_k_name: str = "top_k") -> None:
@@ -519,3 +523,105 @@ def _check_router_logits(router_logits: object, padding_mask: object) -> None:
                 f"padding_mask must be (B, T) with B·T = {rows}, the router logits' rows (True "
                 f"at padding), got {tuple(padding_mask.shape)}"
             )
+
+
+# The fields only chapter 20's mixture of experts reads (n_experts=0: every layer dense).
+MOE_FIELDS = MappingProxyType(
+    {
+        "n_experts_per_token": 1,
+        "moe_d_ff": None,
+        "norm_topk_prob": False,
+        "sparse_step": 1,
+        "dense_layers": (),
+        "router_aux_loss_coef": 0.001,
+        "router": "softmax",
+    }
+)
+
+
+class MixturePiece(Piece):
+    """A ``router`` choice: the mixture of experts of the layers ``config.is_sparse`` names,
+    and whether a load-balancing loss balances it in training (``balanced_by_loss``)."""
+
+    balanced_by_loss = True
+
+    def check(self, config: Any) -> None:
+        check_int("n_experts", config.n_experts, at_least=0)
+        if config.n_experts == 0:
+            fields = {**MOE_FIELDS, **self.owns}
+            chosen = [
+                f"{k}={getattr(config, k)!r}" for k, v in fields.items() if getattr(config, k) != v
+            ]
+            if chosen:
+                raise ValueError(f"{', '.join(chosen)}: mixture of experts only; set n_experts")
+            return
+        check_experts(
+            config.n_experts, config.n_experts_per_token, top_k_name="n_experts_per_token"
+        )
+        check_optional_int("moe_d_ff", config.moe_d_ff, at_least=1)
+        check_int("sparse_step", config.sparse_step, at_least=1)
+        check_number("router_aux_loss_coef", config.router_aux_loss_coef, low=0.0)
+        if not isinstance(config.dense_layers, tuple) or not all(
+            type(i) is int and 0 <= i < config.n_layers for i in config.dense_layers
+        ):
+            raise ValueError(
+                f"dense_layers must be a tuple of layer indices 0 to {config.n_layers - 1}, "
+                f"got {config.dense_layers!r}"
+            )
+        if config.activation != "swiglu" or config.bias:
+            raise ValueError(
+                "the experts are SwiGLU layers without biases: set activation='swiglu' and "
+                f"bias=False with n_experts (got {config.activation!r}, bias={config.bias})"
+            )
+
+    def build(self, config: Any) -> MixtureOfExperts:
+        return MixtureOfExperts(
+            config.d_model,
+            config.moe_d_ff or config.d_ff,
+            config.n_experts,
+            config.n_experts_per_token,
+            norm_topk_prob=config.norm_topk_prob,
+            dropout=config.dropout,
+        )
+
+
+class DeepSeekPiece(MixturePiece):
+    """``router="sigmoid"``: DeepSeek-V3's mixture (:class:`DeepSeekMoE`), balanced by its
+    correction bias rather than a loss."""
+
+    owns = MappingProxyType(
+        {"n_shared_experts": 0, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}
+    )
+    balanced_by_loss = False
+
+    def check(self, config: Any) -> None:
+        super().check(config)
+        if config.n_experts == 0:
+            return
+        check_groups(
+            config.n_experts,
+            config.n_experts_per_token,
+            config.n_group,
+            config.topk_group,
+            top_k_name="n_experts_per_token",
+        )
+        check_int("n_shared_experts", config.n_shared_experts, at_least=0)
+        check_number("routed_scaling_factor", config.routed_scaling_factor, low=0.0, low_open=True)
+
+    def build(self, config: Any) -> DeepSeekMoE:
+        return DeepSeekMoE(
+            config.d_model,
+            config.moe_d_ff or config.d_ff,
+            config.n_experts,
+            config.n_experts_per_token,
+            n_shared_experts=config.n_shared_experts,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            norm_topk_prob=config.norm_topk_prob,
+            routed_scaling_factor=config.routed_scaling_factor,
+            dropout=config.dropout,
+        )
+
+
+ROUTERS.register("softmax", MixturePiece())
+ROUTERS.register("sigmoid", DeepSeekPiece())

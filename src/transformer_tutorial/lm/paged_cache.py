@@ -1,14 +1,18 @@
-"""Chapter 23: caches that do not grow — preallocated and paged — and continuous batching.
+"""Chapter 23: a cache that does not grow — paged — and continuous batching.
 
-Chapter 17's cache grows by concatenation, copying every held key at every step. A
-preallocated cache (:func:`preallocated_cache`) allocates each layer's buffers once for the
-longest sequence. A paged cache (:func:`paged_cache`, vLLM's PagedAttention, Kwon et al. 2023)
-cuts one pool of memory per layer into blocks of ``block_size`` positions and gives each
-sequence a *block table*, the blocks it holds in order: a sequence takes blocks as it grows and
-gives them back when it ends, so sequences of any length share one pool.
-:func:`continuous_greedy` uses that: requests join the batch as others leave it.
+Chapter 17's cache grows by concatenation, copying every held key at every step; chapter 16's
+preallocated cache (``model.new_cache(B, "preallocated")``) allocates each layer's buffers once
+for the longest sequence. A paged cache (vLLM's PagedAttention, Kwon et al. 2023) cuts one pool
+of memory per layer into blocks of ``block_size`` positions and gives each sequence a *block
+table*, the blocks it holds in order: a sequence takes blocks as it grows and gives them back
+when it ends, so sequences of any length share one pool. It registers itself as the cache kind
+``"paged"``: ``model.new_cache(B, "paged", n_blocks=..., block_size=...)``, over whatever
+layout each layer's attention declares (chapter 16's keys and values, chapter 21's latents).
+:class:`Scheduler` and :func:`continuous_greedy` use it: requests join the batch as others
+leave it.
 
-Shapes: keys and values ``(B, Hkv, S, Dh)``; a layer's pool ``(n_blocks, block_size, Hkv, Dh)``.
+Shapes: a layer's pool, one per tensor of its layout, ``(n_blocks, block_size, *per position)``
+(keys: ``(n_blocks, block_size, Hkv, Dh)``; latents: ``(n_blocks, block_size, Dc + Dr)``).
 """
 
 from __future__ import annotations
@@ -19,27 +23,9 @@ import torch
 from torch import Tensor
 
 from transformer_tutorial.checks import check_int, check_optional_int, check_type
-from transformer_tutorial.lm.cache import LMCache
+from transformer_tutorial.lm.cache import CacheLayout, LMCache, check_new_positions
 from transformer_tutorial.lm.model import LanguageModel
-
-
-def _check_grouped(model: LanguageModel) -> None:
-    check_type("model", model, LanguageModel, "a LanguageModel")
-    if model.config.attention != "gqa":
-        raise ValueError(
-            f"these caches hold chapter 16's keys and values: the model needs attention='gqa', "
-            f"got {model.config.attention!r}"
-        )
-
-
-def preallocated_cache(
-    model: LanguageModel, batch_size: int, max_len: int | None = None
-) -> LMCache:
-    """An empty :class:`LMCache` whose layers' buffers hold ``max_len`` positions (default the
-    model's), allocated now in the model's dtype and device: ``model.new_cache(batch_size,
-    "preallocated", max_len=max_len)``."""
-    check_type("model", model, LanguageModel, "a LanguageModel")
-    return model.new_cache(batch_size, "preallocated", max_len=max_len)
+from transformer_tutorial.lm.registry import CACHE_KINDS, Piece
 
 
 class BlockAllocator:
@@ -73,30 +59,28 @@ class BlockAllocator:
         self.free.extend(reversed(self.tables.pop(seq, [])))
 
 
-class PagedKVCache:
-    """One layer's keys and values in blocks of a shared pool, for the sequences ``seqs`` (the
-    rows of the batch, in order), each ``lengths[i]`` positions long.
+class PagedCache:
+    """One layer's cache in blocks of a shared pool, for the sequences ``seqs`` (the rows of the
+    batch, in order), each ``lengths[i]`` positions long; one pool per tensor of the ``layout``
+    its attention declares.
 
-    Called like :class:`~transformer_tutorial.lm.cache.GroupedKVCache`: :meth:`update` writes
-    the new positions into each row's blocks and returns every held position's keys and
-    values, gathered through the block tables into ``(B, Hkv, S, Dh)`` with ``S`` the longest
-    row; a shorter row's positions past its length are filler, which the caller masks as
-    padding (:func:`continuous_greedy`).
+    Called like a growing cache: :meth:`update` writes the new positions into each row's blocks
+    and returns every held position's tensors, gathered through the block tables into the
+    layout's shapes with ``S`` the longest row; a shorter row's positions past its length are
+    filler, which the caller masks as padding (:func:`continuous_greedy`).
     """
-
-    holds = "keys and values"
 
     def __init__(
         self,
-        pool_k: Tensor,
-        pool_v: Tensor,
+        layout: CacheLayout,
+        pools: Sequence[Tensor],
         allocator: BlockAllocator,
         seqs: Sequence[int],
         lengths: Sequence[int],
     ) -> None:
         if len(seqs) != len(lengths):
             raise ValueError(f"seqs ({len(seqs)}) and lengths ({len(lengths)}) must pair up")
-        self.pool_k, self.pool_v, self.allocator = pool_k, pool_v, allocator
+        self.layout, self.pools, self.allocator = layout, tuple(pools), allocator
         self.seqs, self.lengths = tuple(seqs), tuple(lengths)
 
     @property
@@ -111,8 +95,8 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this layer's pool (shared by every sequence)."""
-        return self.pool_k.untyped_storage().nbytes() + self.pool_v.untyped_storage().nbytes()
+        """Bytes of this layer's pools (shared by every sequence)."""
+        return sum(pool.untyped_storage().nbytes() for pool in self.pools)
 
     def rewind(self, n: int) -> None:
         """Forget the last ``n`` positions of every row (their blocks stay reserved)."""
@@ -121,12 +105,16 @@ class PagedKVCache:
             raise ValueError(f"n={n} exceeds the {min(self.lengths)} positions a row holds")
         self.lengths = tuple(length - n for length in self.lengths)
 
-    def update(self, k: Tensor, v: Tensor, *, keep: int | None = None) -> tuple[Tensor, Tensor]:
-        """Write the new positions ``(B, Hkv, L, Dh)`` after each row's; return the rows' keys
-        and values ``(B, Hkv, S, Dh)``."""
+    def update(self, *new: Tensor, keep: int | None = None) -> tuple[Tensor, ...]:
+        """Write the new positions (``L`` of them, along the layout's ``seq_dim``) after each
+        row's; return the rows' held positions, ``S`` along ``seq_dim``."""
         if keep is not None:
             raise ValueError("the paged cache keeps every position: it takes no sliding window")
-        B, Hkv, L, Dh = k.shape
+        check_new_positions(self.layout, new)
+        d = self.layout.seq_dim
+        B, L = new[0].size(0), new[0].size(d)
+        if len(self.seqs) != B:
+            raise ValueError(f"{self.layout.names[0]} has {B} rows; the cache {len(self.seqs)}")
         if L > 1 and len(set(self.lengths)) > 1:
             raise ValueError(
                 f"rows of lengths {self.lengths} take one new position at a time; fill a "
@@ -142,75 +130,64 @@ class PagedKVCache:
             for t, n in zip(tables, self.lengths, strict=True)
             for p in range(n, n + L)
         ]
-        index = torch.tensor(slots, device=k.device)  # (B·L,)
-        self.pool_k.view(-1, Hkv, Dh)[index] = k.transpose(1, 2).reshape(B * L, Hkv, Dh)
-        self.pool_v.view(-1, Hkv, Dh)[index] = v.transpose(1, 2).reshape(B * L, Hkv, Dh)
+        index = torch.tensor(slots, device=new[0].device)  # (B·L,)
+        for pool, x in zip(self.pools, new, strict=True):  # x: positions moved next to rows
+            pool.flatten(0, 1)[index] = x.movedim(d, 1).flatten(0, 1)
         self.lengths = tuple(n + L for n in self.lengths)
         # 2) gather: each row's blocks in table order, the missing ones as block 0 (filler)
         S, width = self.seen, -(-self.seen // bs)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=k.device)
-
-        def gather(pool: Tensor) -> Tensor:
-            blocks = pool[table]  # (B, width, bs, Hkv, Dh)
-            return blocks.flatten(1, 2)[:, :S].transpose(1, 2)  # (B, Hkv, S, Dh)
-
-        return gather(self.pool_k), gather(self.pool_v)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=index.device)
+        # (B, width, bs, ...) → (B, S, ...) → the positions back at seq_dim
+        return tuple(pool[table].flatten(1, 2)[:, :S].movedim(1, d) for pool in self.pools)
 
 
-def paged_cache(
-    model: LanguageModel,
-    batch_size: int,
-    *,
-    n_blocks: int,
-    block_size: int,
-    allocator: BlockAllocator | None = None,
-) -> LMCache:
-    """An empty :class:`LMCache` of :class:`PagedKVCache` layers for ``batch_size`` sequences
-    (numbered 0 …), each layer's pool ``n_blocks`` blocks of ``block_size`` positions."""
-    _check_grouped(model)
-    check_int("n_blocks", n_blocks, at_least=1)
-    check_int("block_size", block_size, at_least=1)
-    check_int("batch_size", batch_size, at_least=1)
-    if model.config.window is not None:
-        raise ValueError("the paged cache keeps every position: it takes no sliding window")
-    if allocator is None:
-        allocator = BlockAllocator(n_blocks, block_size)
-    check_type("allocator", allocator, BlockAllocator, "a BlockAllocator or None")
-    if (allocator.n_blocks, allocator.block_size) != (n_blocks, block_size):
-        raise ValueError(
-            f"allocator cuts {allocator.n_blocks} blocks of {allocator.block_size} positions; "
-            f"the pools have n_blocks={n_blocks} of block_size={block_size}"
-        )
-    weight = model.embed.weight  # the activations' dtype, even where linears are quantized
-    layers = []
-    for layer in model.layers:
-        shape = (n_blocks, block_size, layer.self_attn.n_kv_heads, layer.self_attn.d_head)
-        pool_k = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-        pool_v = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-        layers.append(PagedKVCache(pool_k, pool_v, allocator, range(batch_size), [0] * batch_size))
-    return LMCache(layers)
+class PagedPiece(Piece):
+    """The cache kind ``"paged"``: one pool per layer and tensor, cut into ``n_blocks`` blocks
+    of ``block_size`` positions by one :class:`BlockAllocator` that every layer shares; the
+    ``batch_size`` sequences are numbered 0 …"""
+
+    def new(
+        self,
+        layouts: Sequence[CacheLayout],
+        batch_size: int,
+        *,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        n_blocks: int | None = None,
+        block_size: int | None = None,
+        allocator: BlockAllocator | None = None,
+    ) -> LMCache:
+        if n_blocks is None or block_size is None:
+            raise ValueError("the paged cache needs n_blocks and block_size")
+        check_int("n_blocks", n_blocks, at_least=1)
+        check_int("block_size", block_size, at_least=1)
+        if allocator is None:
+            allocator = BlockAllocator(n_blocks, block_size)
+        check_type("allocator", allocator, BlockAllocator, "a BlockAllocator or None")
+        if (allocator.n_blocks, allocator.block_size) != (n_blocks, block_size):
+            raise ValueError(
+                f"allocator cuts {allocator.n_blocks} blocks of {allocator.block_size} "
+                f"positions; the pools have n_blocks={n_blocks} of block_size={block_size}"
+            )
+        layers = []
+        for layout in layouts:
+            pools = [
+                torch.zeros((n_blocks, block_size, *shape), dtype=dtype, device=device)
+                for shape in layout.shapes
+            ]
+            layers.append(
+                PagedCache(layout, pools, allocator, range(batch_size), [0] * batch_size)
+            )
+        return LMCache(layers)
 
 
-@torch.no_grad()
-def greedy_with_cache(
-    model: LanguageModel, prompt: Tensor, max_new_tokens: int, cache: LMCache
-) -> Tensor:
-    """Greedy decoding of ``prompt`` ``(B, T0)`` by ``max_new_tokens`` tokens, starting from the
-    empty ``cache`` of the caller's kind: ``(B, T0 + max_new_tokens)``."""
-    check_int("max_new_tokens", max_new_tokens, at_least=0)
-    ids, new = prompt, prompt
-    for _ in range(max_new_tokens):
-        logits, cache = model.step(new, cache)
-        new = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
-        ids = torch.cat([ids, new], dim=1)
-    return ids
+CACHE_KINDS.register("paged", PagedPiece())
 
 
 def _rows(cache: LMCache, seqs: Sequence[int], lengths: Sequence[int]) -> LMCache:
     """The same pools and allocator, for the sequences ``seqs`` of ``lengths``."""
-    layers = tuple(
-        PagedKVCache(c.pool_k, c.pool_v, c.allocator, seqs, lengths) for c in cache.layers
-    )
+    layers = tuple(PagedCache(c.layout, c.pools, c.allocator, seqs, lengths) for c in cache.layers)
     return LMCache(layers)
 
 
@@ -241,8 +218,8 @@ class Scheduler:
         block_size: int,
         eos_id: int | None = None,
     ) -> None:
-        _check_grouped(model)
-        if model.config.positions != "rope":
+        check_type("model", model, LanguageModel, "a LanguageModel")
+        if model.rotary is None:
             raise ValueError("continuous batching needs positions='rope' (per-row position ids)")
         check_int("max_batch", max_batch, at_least=1)
         check_optional_int("eos_id", eos_id, at_least=0)
@@ -251,7 +228,7 @@ class Scheduler:
                 f"eos_id={eos_id} is outside the vocabulary of {model.config.vocab_size} tokens"
             )
         self.model, self.max_batch, self.eos_id = model, max_batch, eos_id
-        self.pools = paged_cache(model, 1, n_blocks=n_blocks, block_size=block_size)
+        self.pools = model.new_cache(1, "paged", n_blocks=n_blocks, block_size=block_size)
         self.allocator: BlockAllocator = self.pools.layers[0].allocator
         self.preemptions = self.steps = 0
 
@@ -330,7 +307,7 @@ class Scheduler:
 
     @property
     def _device(self) -> torch.device:
-        return self.pools.layers[0].pool_k.device
+        return self.pools.layers[0].pools[0].device
 
     def _check_requests(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]

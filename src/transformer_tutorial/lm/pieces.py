@@ -2,15 +2,22 @@
 
 One factory per switchable piece reads :class:`~transformer_tutorial.lm.config.LMConfig`
 and builds it: the norm (:func:`make_norm`), the feed-forward layer (:func:`make_feed_forward`),
-what adds positions to the embeddings (:func:`make_positions`) and the self-attention's head
-layout (:func:`make_attention`). GPT-2's choices and the 2017 paper's are chapter 13's; RMSNorm
-and SwiGLU chapter 14's, rotary positions chapter 15's, grouped-query attention with QK-norm
-and a sliding window chapter 16's; chapter 17 assembles them into a Llama-style model.
+what adds positions to the embeddings (:func:`make_positions`), the rotary hook
+(:func:`make_rotary`) and the self-attention (:func:`make_attention`). The last three look the
+config's string up in a registry (:mod:`~transformer_tutorial.lm.registry`), where each chapter
+registers its own pieces: here chapter 13's (``attention="mha"``, ``positions="learned"`` and
+``"sinusoidal"``) and chapter 15's rotary positions (``"rope"``); chapter 16's grouped-query
+attention registers itself in :mod:`~transformer_tutorial.lm.grouped_attention`, chapter 21's
+latent attention in :mod:`~transformer_tutorial.lm.latent_attention`. Chapter 17 assembles them
+into a Llama-style model.
 
 Shapes: embeddings ``(B, T, D)``; queries ``(B, H, T, Dh)``, keys and values ``(B, Hkv, T, Dh)``.
 """
 
 from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -18,14 +25,11 @@ from torch import Tensor, nn
 from transformer_tutorial.attention import KVCache, MultiHeadAttention
 from transformer_tutorial.checks import check_bool, check_int, check_tensor, check_type
 from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
-from transformer_tutorial.feed_forward import SwiGLU, build_feed_forward
-from transformer_tutorial.layers import FeedForward
-from transformer_tutorial.lm.cache import GroupedKVCache
+from transformer_tutorial.feed_forward import build_feed_forward
+from transformer_tutorial.lm.cache import CacheLayout, LayerCache
 from transformer_tutorial.lm.config import LMConfig
-from transformer_tutorial.lm.grouped_attention import GroupedQueryAttention
-from transformer_tutorial.lm.latent_attention import MultiHeadLatentAttention, mla_softmax_scale
-from transformer_tutorial.lm.moe import DeepSeekMoE, MixtureOfExperts
-from transformer_tutorial.lm.rope_scaling import scaled_rotary
+from transformer_tutorial.lm.registry import ATTENTIONS, POSITIONS, ROUTERS, Piece
+from transformer_tutorial.lm.rope_scaling import REFUSED, RopeScaling, rotary_width, scaled_rotary
 from transformer_tutorial.lm.rotary import RotaryPositions
 from transformer_tutorial.masks import causal_mask
 from transformer_tutorial.norms import build_norm
@@ -38,127 +42,50 @@ def make_norm(config: LMConfig) -> nn.Module:
     return build_norm(config.norm, config.d_model, config.layer_norm_eps)
 
 
-def make_feed_forward(config: LMConfig, layer: int = 0) -> FeedForward | SwiGLU | MixtureOfExperts:
+def make_feed_forward(config: LMConfig, layer: int = 0) -> nn.Module:
     """The position-wise feed-forward layer of layer ``layer``, chapter 14's switch: chapter 5's
     layer with ``config.activation`` (``"gelu_tanh"``: GPT-2's), or with ``"swiglu"`` the gated
     layer (Llama's ``mlp``); ``d_ff`` is the hidden width, ``bias`` the config's. Chapter 20:
-    where ``config.is_sparse(layer)``, a mixture of ``n_experts`` SwiGLU layers of ``moe_d_ff``
-    (Qwen3-MoE's sparse block; with ``router="sigmoid"`` DeepSeek-V3's)."""
+    where ``config.is_sparse(layer)``, the mixture of experts its ``router`` registered
+    (:data:`~transformer_tutorial.lm.registry.ROUTERS`: Qwen3-MoE's, DeepSeek-V3's)."""
     check_type("config", config, LMConfig, "an LMConfig")
     check_int("layer", layer, at_least=0)
     if layer >= config.n_layers:
         raise ValueError(f"layer must be 0 to {config.n_layers - 1} (n_layers), got {layer}")
-    if config.is_sparse(layer) and config.router == "sigmoid":
-        return DeepSeekMoE(
-            config.d_model,
-            config.moe_d_ff or config.d_ff,
-            config.n_experts,
-            config.n_experts_per_token,
-            n_shared_experts=config.n_shared_experts,
-            n_group=config.n_group,
-            topk_group=config.topk_group,
-            norm_topk_prob=config.norm_topk_prob,
-            routed_scaling_factor=config.routed_scaling_factor,
-            dropout=config.dropout,
-        )
     if config.is_sparse(layer):
-        return MixtureOfExperts(
-            config.d_model,
-            config.moe_d_ff or config.d_ff,
-            config.n_experts,
-            config.n_experts_per_token,
-            norm_topk_prob=config.norm_topk_prob,
-            dropout=config.dropout,
-        )
+        return ROUTERS[config.router].build(config)
     ff = build_feed_forward(
         config.activation, config.d_model, config.d_ff, dropout=config.dropout, bias=config.bias
     )
-    if isinstance(ff, FeedForward):  # chapter 5's layer, which knows nothing of residual streams
+    if not hasattr(ff, "residual_projections"):  # chapter 5's layer knows no residual stream
         ff.residual_projections = ("linear2.weight",)
     return ff
 
 
 def make_rotary(config: LMConfig, *, checked: bool = True) -> RotaryPositions | None:
     """The model's one rotary position hook, handed to every layer's attention (chapter 15; its
-    tables are built once, whatever the depth): with ``positions="rope"`` chapter 18's
-    ``rope_scaling`` and ``partial_rotary_factor`` of the head width; with ``"mla"`` chapter
-    21's ``qk_rope_head_dim`` part (interleaved pairs with ``rope_interleave``). None otherwise:
-    the positions were added to the embeddings. ``checked=False`` (the model's): no read back
-    from the device a layer, since the model counts positions on the host and refuses any past
-    ``max_len`` (a layer called on its own keeps the check)."""
+    tables are built once, whatever the depth), as the config's ``positions`` builds it: with
+    ``"rope"``, over the part of each head the attention rotates. None otherwise: the positions
+    were added to the embeddings. ``checked=False`` (the model's): no read back from the device
+    a layer, since the model counts positions on the host and refuses any past ``max_len`` (a
+    layer called on its own keeps the check)."""
     check_type("config", config, LMConfig, "an LMConfig")
     check_bool("checked", checked)
-    if config.attention == "mla":
-        return scaled_rotary(
-            config.qk_rope_head_dim,
-            max_len=config.max_len,
-            base=config.rope_base,
-            scaling=config.rope_scaling,
-            layout="interleaved" if config.rope_interleave else "half_split",
-            checked=checked,
-        )
-    if config.positions != "rope":
-        return None
-    return scaled_rotary(
-        config.head_dim,
-        max_len=config.max_len,
-        base=config.rope_base,
-        scaling=config.rope_scaling,
-        partial_rotary_factor=config.partial_rotary_factor,
-        checked=checked,
-    )
+    return POSITIONS[config.positions].rotary(config, checked=checked)
 
 
-def make_attention(
-    config: LMConfig, rotary: RotaryPositions | None = None
-) -> CausalMultiHeadAttention | GroupedQueryAttention | MultiHeadLatentAttention:
-    """The self-attention, one branch per kind; each answers the layer's one call,
-    ``attention(x, cache, position_ids=..., key_padding_mask=...)`` → ``(B, T_new, D)``, and
-    builds its own empty cache (``empty_cache``).
-
-    ``"mha"``: chapter 4's multi-head attention under a causal mask
-    (:class:`CausalMultiHeadAttention`). ``"gqa"``: chapter 16's
-    :class:`GroupedQueryAttention` with ``n_kv_heads`` key/value heads, QK-norm and a sliding
-    ``window``. ``"mla"``: chapter 21's :class:`MultiHeadLatentAttention`, its scores scaled as
-    DeepSeek's. ``rotary``: the model's position hook (:func:`make_rotary`), shared by every
-    layer; None builds one for this attention alone (checking the position ids it is given).
-    """
+def make_attention(config: LMConfig, rotary: RotaryPositions | None = None) -> nn.Module:
+    """The self-attention the config's ``attention`` names, as its registered piece builds it.
+    Each answers the layer's one call, ``attention(x, cache, position_ids=...,
+    key_padding_mask=...)`` → ``(B, T_new, D)``, and declares what its cache keeps
+    (``cache_layout``). ``rotary``: the model's position hook (:func:`make_rotary`), shared by
+    every layer; None builds one for this attention alone (checking the position ids it is
+    given)."""
     check_type("config", config, LMConfig, "an LMConfig")
     if rotary is not None:
         check_type("rotary", rotary, RotaryPositions, "a RotaryPositions (make_rotary) or None")
     rotary = make_rotary(config) if rotary is None else rotary
-    if config.attention == "mha":
-        return CausalMultiHeadAttention(
-            config.d_model, config.n_heads, config.dropout, bias=config.bias
-        )
-    if config.attention == "mla":
-        return MultiHeadLatentAttention(
-            config.d_model,
-            config.n_heads,
-            kv_lora_rank=config.kv_lora_rank,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim,
-            q_lora_rank=config.q_lora_rank,
-            positions=rotary,
-            softmax_scale=mla_softmax_scale(
-                config.qk_nope_head_dim + config.qk_rope_head_dim, config.rope_scaling
-            ),
-            dropout=config.dropout,
-        )
-    return GroupedQueryAttention(
-        config.d_model,
-        config.n_heads,
-        config.n_kv_heads,
-        d_head=config.d_head,
-        bias=config.bias,
-        qk_norm=config.qk_norm,
-        norm_eps=config.layer_norm_eps,
-        window=config.window,
-        positions=rotary,
-        dropout=config.dropout,
-        backend=config.attention_backend,
-    )
+    return ATTENTIONS[config.attention].build(config, rotary)
 
 
 class CausalMultiHeadAttention(MultiHeadAttention):
@@ -173,12 +100,17 @@ class CausalMultiHeadAttention(MultiHeadAttention):
 
     # What writes into the residual stream: the language model initialises it smaller.
     residual_projections = ("out_proj.weight",)
-    cache_holds = "keys and values"  # the cache it reads and writes (lm.cache)
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """What its cache keeps: keys and values ``(B, H, S, Dh)``."""
+        shape = (self.n_heads, self.d_head)
+        return CacheLayout(("k", "v"), (shape, shape), seq_dim=2)
 
     def forward(  # type: ignore[override]  (the language model's call, not chapter 4's)
         self,
         x: Tensor,
-        cache: GroupedKVCache | None = None,
+        cache: LayerCache | None = None,
         *,
         position_ids: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
@@ -199,32 +131,13 @@ class CausalMultiHeadAttention(MultiHeadAttention):
         out, _ = self.attend_heads(q, kv, key_padding_mask=key_padding_mask, attn_mask=future)
         return out
 
-    def empty_cache(
-        self,
-        batch_size: int,
-        max_len: int | None = None,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> GroupedKVCache:
-        """An empty cache, growing (``max_len`` None) or preallocated: H key/value heads."""
-        if max_len is None:
-            return GroupedKVCache()
-        return GroupedKVCache.preallocate(
-            batch_size, self.n_heads, max_len, self.d_head, dtype=dtype, device=device
-        )
-
 
 def make_positions(config: LMConfig) -> nn.Module:
     """What adds positions to the token embeddings: ``"learned"`` (GPT-2, a trained table),
     ``"sinusoidal"`` (the paper, chapter 2) or, with ``"rope"``, nothing: rotary positions turn
     queries and keys inside attention. Each takes ``(x, start)`` and adds dropout."""
     check_type("config", config, LMConfig, "an LMConfig")
-    if config.positions == "sinusoidal":
-        return SinusoidalPositionalEncoding(config.d_model, config.max_len, config.dropout)
-    if config.positions == "rope":
-        return PositionsInAttention(config.dropout)
-    return LearnedPositionalEmbedding(config.max_len, config.d_model, config.dropout)
+    return POSITIONS[config.positions].build(config)
 
 
 class LearnedPositionalEmbedding(nn.Module):
@@ -275,3 +188,103 @@ def check_positions_input(x: object, start: object, d_model: int | None = None) 
     if d_model is not None and x.size(-1) != d_model:
         raise ValueError(f"x must be (B, T, D={d_model}), got {tuple(x.shape)}")
     check_int("start", start, at_least=0)
+
+
+class MultiHeadPiece(Piece):
+    """``attention="mha"``: chapter 4's multi-head attention (:class:`CausalMultiHeadAttention`,
+    GPT-2's), positions added to the embeddings: no rotary hook, no kernel to choose."""
+
+    takes_kernel = False
+
+    def check(self, config: Any) -> None:
+        if config.d_model % config.n_heads:
+            raise ValueError(
+                f"d_model={config.d_model} must be divisible by n_heads={config.n_heads}"
+            )
+
+    def rotary_layout(self, config: Any) -> None:
+        return None
+
+    def build(self, config: Any, rotary: RotaryPositions | None) -> CausalMultiHeadAttention:
+        return CausalMultiHeadAttention(
+            config.d_model, config.n_heads, config.dropout, bias=config.bias
+        )
+
+
+class PositionsPiece(Piece):
+    """A ``positions`` choice: what it adds to the embeddings (:meth:`build`) and the rotary
+    hook it hands the attention (:meth:`rotary`, None: it turns nothing in attention)."""
+
+    in_attention = False  # whether positions enter the attention (per-row position ids)
+
+    def build(self, config: Any) -> nn.Module:
+        raise NotImplementedError
+
+    def rotary(self, config: Any, *, checked: bool) -> RotaryPositions | None:
+        return None
+
+
+class LearnedPiece(PositionsPiece):
+    """``positions="learned"``: GPT-2's trained table."""
+
+    def build(self, config: Any) -> nn.Module:
+        return LearnedPositionalEmbedding(config.max_len, config.d_model, config.dropout)
+
+
+class SinusoidalPiece(PositionsPiece):
+    """``positions="sinusoidal"``: the paper's fixed table (chapter 2)."""
+
+    def check(self, config: Any) -> None:
+        if config.d_model % 2:
+            raise ValueError(f"d_model={config.d_model} must be even for sinusoidal positions")
+
+    def build(self, config: Any) -> nn.Module:
+        return SinusoidalPositionalEncoding(config.d_model, config.max_len, config.dropout)
+
+
+class RotaryPiece(PositionsPiece):
+    """``positions="rope"`` (chapter 15): nothing added to the embeddings; queries and keys
+    turned in every attention, over the part of each head its attention names
+    (``rotary_layout``), with chapter 18's ``rope_scaling`` and ``partial_rotary_factor``."""
+
+    owns = MappingProxyType({"rope_scaling": None, "partial_rotary_factor": 1.0})
+    in_attention = True
+
+    def check(self, config: Any) -> None:
+        scaling = config.rope_scaling
+        if scaling is not None and not isinstance(scaling, RopeScaling):
+            raise TypeError(
+                f"rope_scaling must be a RopeScaling or None, got {scaling!r}; from "
+                "transformers' rope_parameters: RopeScaling.from_parameters(...)"
+            )
+        if scaling is not None and scaling.rope_type in REFUSED:
+            raise ValueError(REFUSED[scaling.rope_type])
+        layout = ATTENTIONS[config.attention].rotary_layout(config)
+        if layout is None:
+            raise ValueError(
+                f"positions='rope' turns queries and keys inside the attention; "
+                f"attention={config.attention!r} has no hook for them: set attention='gqa'"
+            )
+        if layout["dim"] % 2:
+            raise ValueError(f"the head width {layout['dim']} must be even for rotary positions")
+        rotary_width(layout["dim"], layout.get("partial_rotary_factor", 1.0))  # even, ≥ 2
+
+    def build(self, config: Any) -> nn.Module:
+        return PositionsInAttention(config.dropout)
+
+    def rotary(self, config: Any, *, checked: bool) -> RotaryPositions:
+        layout = ATTENTIONS[config.attention].rotary_layout(config)
+        return scaled_rotary(
+            layout.pop("dim"),
+            max_len=config.max_len,
+            base=config.rope_base,
+            scaling=config.rope_scaling,
+            checked=checked,
+            **layout,
+        )
+
+
+ATTENTIONS.register("mha", MultiHeadPiece())
+POSITIONS.register("learned", LearnedPiece())
+POSITIONS.register("sinusoidal", SinusoidalPiece())
+POSITIONS.register("rope", RotaryPiece())

@@ -163,7 +163,7 @@ class RotaryEmbedding(nn.Module):
 
 class RotaryPositions(nn.Module):
     """Rotary embeddings as the position hook of an attention layer (chapter 16's
-    ``positions=``): ``(q, k, position_ids)`` → ``(q, k)`` rotated by :func:`apply_rotary`.
+    ``rotary=``): ``(q, k, position_ids)`` → ``(q, k)`` rotated by :func:`apply_rotary`.
 
     A module rather than a function, so that its tables are a submodule's buffers and move with
     the model's ``.to(device)``.
@@ -200,6 +200,10 @@ class RotaryPositions(nn.Module):
             checked=checked,
         )
         self.layout = layout
+
+    def reset_tables(self) -> None:
+        """Compute the cos and sin tables again (:meth:`RotaryEmbedding.reset_tables`)."""
+        self.rotary.reset_tables()
 
     def forward(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         _check_queries_and_keys(q, k, position_ids)

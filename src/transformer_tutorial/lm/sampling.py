@@ -192,7 +192,7 @@ def check_cache_choice(cache: LMCache | None, cache_kind: str | None, use_cache:
         if value is not None and not use_cache:
             raise ValueError(f"{name} needs use_cache=True; without, nothing is cached")
     if cache is not None:
-        what = "an empty LMCache (model.new_cache, paged_cache) or None"
+        what = "an empty LMCache (model.new_cache) or None"
         check_type("cache", cache, LMCache, what)
         if cache.length:
             raise ValueError(
@@ -239,7 +239,7 @@ def generate(
     without, each step recomputes the whole sequence. The two give the same tokens.
     ``cache_kind``: the kind of cache to make (:meth:`LanguageModel.new_cache`), ``"growing"``
     (None) or ``"preallocated"`` (for the prompt and every new token); or ``cache``: an empty
-    cache already made (``model.new_cache``, chapter 23's ``paged_cache``), which the call fills.
+    cache already made (``model.new_cache``, of any kind), which the call fills.
 
     Reads back from the device: the prompt's id range once, then one read a token with
     ``eos_id`` ("has every row finished?") and none without (without ``use_cache`` each

@@ -2,10 +2,11 @@
 
 The online softmax (:func:`online_softmax`), the tiled forward and backward passes of
 FlashAttention-2 (Dao 2023, Algorithms 1 and 2) as a ``torch.autograd.Function``
-(:func:`tiled_attention`), and :class:`PeakStorage`, which measures the peak bytes of the
-storages an operation allocates. A teaching implementation: exact, not fast. In bf16 and fp16,
-as in FlashAttention, the scores, the running statistics and every sum (the output's and the
-gradients') are float32; only what is returned is rounded to the inputs' dtype.
+(:func:`tiled_attention`), registered as chapter 16's attention kernel ``"tiled"``
+(``LMConfig(attention_backend="tiled")``), and :class:`PeakStorage`, which measures the peak
+bytes of the storages an operation allocates. A teaching implementation: exact, not fast. In
+bf16 and fp16, as in FlashAttention, the scores, the running statistics and every sum (the
+output's and the gradients') are float32; only what is returned is rounded to the inputs' dtype.
 
 Shapes: queries ``(B, H, L, Dh)``, keys and values ``(B, H_kv, S, Dh)`` with ``H`` a multiple of
 ``H_kv`` (grouped heads); inside, queries ``(B, H_kv, G, L, Dh)`` with ``G = H // H_kv``, so
@@ -23,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from transformer_tutorial.checks import check_bool, check_int, check_number, check_tensor
+from transformer_tutorial.lm.grouped_attention import GroupedQueryAttention, KernelPiece
+from transformer_tutorial.lm.registry import ATTENTION_KERNELS
 
 
 def _check_scores(x: Tensor, block_size: int) -> None:
@@ -229,6 +232,35 @@ def tiled_attention(
     k5, v5 = k[:, :, None], v[:, :, None]  # (B, H_kv, 1, S, Dh)
     out = _TiledAttention.apply(q5, k5, v5, key_padding_mask, is_causal, scale, block_q, block_k)
     return out.reshape(B, H, L, Dh)
+
+
+def tiled_kernel(
+    attention: GroupedQueryAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None,
+) -> Tensor:
+    """Chapter 16's attention computed by :func:`tiled_attention`: the same numbers, one tile of
+    scores at a time. q ``(B, H, L, Dh)``, k and v ``(B, Hkv, S, Dh)`` → ``(B, H, L, Dh)``."""
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask[:, -k.size(2) :]  # the positions held
+    return tiled_attention(q.contiguous(), k, v, key_padding_mask=key_padding_mask, is_causal=True)
+
+
+class TiledKernelPiece(KernelPiece):
+    """``attention_backend="tiled"``: no sliding window, no dropout (a teaching version)."""
+
+    def check_attention(self, *, window: int | None, dropout: float) -> None:
+        if window is not None or dropout:
+            raise ValueError(
+                "attention_backend='tiled' (chapter 22) has no sliding window and no dropout: "
+                f"set window=None and dropout=0 (got {window}, {dropout})"
+            )
+
+
+ATTENTION_KERNELS.register("tiled", TiledKernelPiece(tiled_kernel))
 
 
 class PeakStorage(TorchDispatchMode):

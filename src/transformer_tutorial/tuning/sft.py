@@ -185,7 +185,7 @@ def packed_logits(
             f"position_ids must have ids' shape {tuple(ids.shape)}, "
             f"got {tuple(position_ids.shape)}"
         )
-    if model.config.positions != "rope":
+    if model.rotary is None:
         raise ValueError(
             "packed_logits needs positions='rope': a position table added to the embeddings "
             "cannot restart at each conversation"
