@@ -164,7 +164,8 @@ class LanguageModel(nn.Module):
         layer in order (chapter 20), which
         :func:`~transformer_tutorial.lm.moe.load_balancing_loss` reads. Dense layers give
         none."""
-        return self._run(ids, None, padding_mask, check_ids=True)
+        logits, arguments = self._run(ids, None, padding_mask, check_ids=True)
+        return logits, tuple(arguments["router_logits"])
 
     def _run(
         self,
@@ -173,25 +174,26 @@ class LanguageModel(nn.Module):
         padding_mask: Tensor | None,
         *,
         check_ids: bool,
-    ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """The one path: logits ``(B, T_new, V)`` and the routers' logits of MoE layers."""
+    ) -> tuple[Tensor, dict]:
+        """The one path: logits ``(B, T_new, V)``, and what every layer was told besides its
+        input and cache (:meth:`_layer_arguments`), which the layers may have filled in."""
         self._check_ids(ids, cache, read_range=check_ids)
         start = 0 if cache is None else cache.length
-        position_ids = self._left_padding(padding_mask, ids, start)
         caches = (None,) * len(self.layers) if cache is None else cache.layers
         x = self.positions(self.embed(ids) * self.embed_scale, start)  # (B, T_new, D)
-        routers: list[Tensor] = []  # the MoE layers' router logits, in order (chapter 20)
+        arguments = self._layer_arguments(padding_mask, ids, start)
         for layer, layer_cache in zip(self.layers, caches, strict=True):
-            x = layer(
-                x,
-                layer_cache,
-                position_ids=position_ids,
-                padding_mask=padding_mask,
-                router_logits=routers,
-            )
+            x = layer(x, layer_cache, **arguments)
         if self.norm is not None:
             x = self.norm(x)
-        return self.lm_head(x), tuple(routers)
+        return self.lm_head(x), arguments
+
+    def _layer_arguments(self, padding_mask: Tensor | None, ids: Tensor, start: int) -> dict:
+        """What each layer is told besides its input and cache: the padding mask and the position
+        ids that skip it (chapter 17's left padding), and the list to which the mixture-of-experts
+        layers append their router's logits, in order (chapter 20)."""
+        position_ids = self._left_padding(padding_mask, ids, start)
+        return dict(position_ids=position_ids, padding_mask=padding_mask, router_logits=[])
 
     def _left_padding(self, padding_mask: Tensor | None, ids: Tensor, start: int) -> Tensor | None:
         """The position ids that skip the padding, ``(B, T_new)``: a row's first real token is
