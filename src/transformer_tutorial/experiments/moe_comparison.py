@@ -29,6 +29,7 @@ from transformer_tutorial.experiments.harness import load_record, train_for, wri
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.moe import load_balancing_loss, tokens_per_expert
+from transformer_tutorial.lm.registry import ROUTERS
 from transformer_tutorial.provenance import finish_record, start_record
 
 DENSE = LM_COMPARED["llama"]  # chapter 17's Llama-style side: d_ff = 304
@@ -85,7 +86,7 @@ def balancing_loss(
     """The training loop's ``aux_loss`` (:data:`~.harness.AuxLoss`): the logits, and the
     load-balancing loss of the model's mixtures, padding excluded (None for a dense model); the
     loop weights it by ``router_aux_loss_coef``."""
-    if model.config.router != "softmax":
+    if not ROUTERS[model.config.router].balanced_by_loss:
         raise ValueError(
             f"router={model.config.router!r}: the load-balancing loss is the softmax router's "
             "(Qwen3-MoE); DeepSeek-V3's sigmoid router balances by its correction bias "
