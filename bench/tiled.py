@@ -1,5 +1,5 @@
 """Section 11: chapter 22's tiled attention
-(:func:`~transformer_tutorial.tiled_attention.tiled_attention`, FlashAttention-2's algorithm
+(:func:`~transformer_tutorial.lm.tiled_attention.tiled_attention`, FlashAttention-2's algorithm
 written in PyTorch) against ``F.scaled_dot_product_attention``: causal self-attention, forward
 (no gradients) and forward + backward, at a few lengths.
 

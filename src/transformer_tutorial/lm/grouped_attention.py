@@ -110,7 +110,7 @@ class GroupedQueryAttention(nn.Module):
         dropout: dropout on the attention weights while training.
         backend: the kernel that computes softmax(q kᵀ) v, a name of
             :data:`~transformer_tutorial.lm.registry.ATTENTION_KERNELS` chosen here once:
-            ``"sdpa"`` (:func:`sdpa_kernel`: ``F.scaled_dot_product_attention``), or chapter 22's
+            ``"sdpa"`` (:func:`sdpa_attend`: ``F.scaled_dot_product_attention``), or chapter 22's
             ``"tiled"`` (without the score matrix; no window, no dropout).
 
     Shapes:
@@ -226,7 +226,7 @@ class GroupedQueryAttention(nn.Module):
         )
 
 
-def sdpa_kernel(
+def sdpa_attend(
     attention: GroupedQueryAttention,
     q: Tensor,
     k: Tensor,
@@ -317,4 +317,4 @@ class GroupedAttentionPiece(Piece):
 
 
 ATTENTIONS.register("gqa", GroupedAttentionPiece())
-ATTENTION_KERNELS.register("sdpa", KernelPiece(sdpa_kernel, every_attention=True))
+ATTENTION_KERNELS.register("sdpa", KernelPiece(sdpa_attend, every_attention=True))

@@ -234,7 +234,7 @@ def tiled_attention(
     return out.reshape(B, H, L, Dh)
 
 
-def tiled_kernel(
+def tiled_attend(
     attention: GroupedQueryAttention,
     q: Tensor,
     k: Tensor,
@@ -260,7 +260,7 @@ class TiledKernelPiece(KernelPiece):
             )
 
 
-ATTENTION_KERNELS.register("tiled", TiledKernelPiece(tiled_kernel))
+ATTENTION_KERNELS.register("tiled", TiledKernelPiece(tiled_attend))
 
 
 class PeakStorage(TorchDispatchMode):
