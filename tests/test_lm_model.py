@@ -368,6 +368,7 @@ def test_a_tiny_model_learns_a_sentence_by_heart():
         ({"attention": "gqa", "n_kv_heads": 0}, ValueError, "n_kv_heads must be at least 1"),
         ({**MODERN, "d_head": 5}, ValueError, "head width 5 must be even for rotary"),
         ({"rope_base": 1.0}, ValueError, "rope_base must be greater than 1"),
+        ({"rope_base": 5e5}, ValueError, "rope_base=500000.0: positions='rope' only"),
         ({"qk_norm": 1}, TypeError, "qk_norm must be True or False"),
         ({"bias": 1}, TypeError, "bias must be True or False"),
         ({"d_model": 15, "n_heads": 3, "positions": "sinusoidal"}, ValueError, "must be even"),
@@ -472,6 +473,24 @@ def test_reset_parameters_restores_gains_and_the_rotary_tables_after_to_empty():
     assert all(layer.self_attn.q_norm.weight.eq(1).all() for layer in lazy.layers)
     assert torch.equal(lazy.rotary.rotary.cos, built.rotary.rotary.cos)
     assert torch.equal(lazy.rotary.rotary.sin, built.rotary.rotary.sin)
+
+
+DEEPSEEK_MOE = dict(MODERN, n_experts=4, n_experts_per_token=2, router="sigmoid", n_group=2)
+
+
+@pytest.mark.parametrize("changes", [dict(positions="sinusoidal"), DEEPSEEK_MOE])
+def test_reset_parameters_computes_every_buffer_again(changes):
+    """Every buffer after to_empty + reset_parameters equals a model's built normally: the
+    sinusoidal table, DeepSeek's correction bias (zeros) as well as the rotary tables."""
+    config = tiny(**changes)
+    with torch.device("meta"):
+        lazy = LanguageModel(config)
+    lazy.to_empty(device="cpu")
+    for buffer in lazy.buffers():  # garbage, whatever to_empty left
+        buffer.fill_(7.0)
+    lazy.reset_parameters()
+    built = dict(LanguageModel(config).named_buffers())
+    assert built and all(torch.equal(b, built[name]) for name, b in lazy.named_buffers())
 
 
 # --- API probes (issue 42): each bad call, and what its error must say ------------------------

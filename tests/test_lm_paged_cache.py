@@ -286,3 +286,15 @@ def test_a_refused_reservation_takes_no_block():
     allocator.reserve(0, 2)
     raises(lambda: allocator.reserve(1, 8), RuntimeError, "all 2 blocks of 2 positions")
     assert allocator.free == [1] and allocator.tables == {0: [0]}
+
+
+def test_a_step_the_pool_cannot_hold_takes_no_block():
+    """All rows' blocks are reserved at once or none: a refused step leaves the pool as it was,
+    and a step that fits still runs."""
+    model = _model("llama")
+    cache = paged_cache(model, 2, n_blocks=3, block_size=2)
+    raises(lambda: model.step(torch.ones(2, 5, dtype=torch.long), cache), RuntimeError, "in use")
+    allocator = cache.layers[0].allocator
+    assert allocator.tables == {} and len(allocator.free) == 3 and cache.length == 0
+    model.step(torch.ones(2, 2, dtype=torch.long), cache)
+    assert cache.length == 2 and len(allocator.free) == 1

@@ -19,6 +19,7 @@ from transformer_tutorial.lm.registry import (
     CACHE_KINDS,
     POSITIONS,
     ROUTERS,
+    AttentionPiece,
     Piece,
     Registry,
 )
@@ -54,12 +55,7 @@ class OneHeadAttention(nn.Module):
         return self.out(out[:, 0])
 
 
-class OneHeadPiece(Piece):
-    takes_kernel = False
-
-    def rotary_layout(self, config) -> None:
-        return None
-
+class OneHeadPiece(AttentionPiece):
     def build(self, config, rotary) -> OneHeadAttention:
         return OneHeadAttention(config.d_model)
 
@@ -117,7 +113,8 @@ def test_a_registry_refuses_a_taken_name_or_a_non_piece():
     assert registry["plain"] is piece and len(registry) == 1 and "plain" in repr(registry)
     raises(lambda: registry.register("plain", Piece()), ValueError, "flavour='plain' is already")
     raises(lambda: registry.register("", Piece()), TypeError, "a flavour name must be a non-empty")
-    raises(lambda: registry.register("odd", object()), TypeError, "must be registered as a Piece")
+    raises(lambda: registry.register("odd", object()), TypeError, "of kind Piece, got <object")
+    raises(lambda: ATTENTIONS.register("bare", Piece()), TypeError, "of kind AttentionPiece")
     raises(lambda: registry["sour"], ValueError, "flavour must be one of ['plain'], got 'sour'")
     raises(lambda: registry[None], ValueError, "flavour must be one of ['plain'], got None")
 
@@ -134,3 +131,21 @@ def test_importing_the_config_loads_no_piece_until_a_name_is_looked_up():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_a_registry_whose_module_fails_to_import_tries_again_and_says_why():
+    registry = Registry("flavour", ("transformer_tutorial.lm.no_such_module",))
+    for _ in range(2):  # not left half-loaded: the second lookup fails the same way
+        raises(lambda: registry["plain"], ModuleNotFoundError, "no_such_module")
+
+
+def test_an_attention_without_a_rotary_hook_or_a_checkpoint_family_is_refused_by_name(one_head):
+    from transformer_tutorial.lm.pretrained import model_type
+
+    config = LMConfig(vocab_size=30, d_model=16, n_heads=2, attention="one_head")
+    raises(lambda: model_type(config), ValueError, "attention='one_head' has no checkpoint family")
+    raises(
+        lambda: LMConfig(vocab_size=30, attention="one_head", attention_backend="tiled"),
+        ValueError,
+        "attention='one_head' has its own: set attention='gqa'",
+    )

@@ -25,7 +25,8 @@ from transformer_tutorial.checks import (
     check_tensor,
 )
 from transformer_tutorial.lm.cache import CacheLayout, LayerCache
-from transformer_tutorial.lm.registry import ATTENTION_KERNELS, ATTENTIONS, Piece
+from transformer_tutorial.lm.registry import ATTENTION_KERNELS, ATTENTIONS, AttentionPiece, Piece
+from transformer_tutorial.lm.rotary import RotaryLayout
 from transformer_tutorial.masks import check_padding_mask, sdpa_mask
 from transformer_tutorial.norms import RMSNorm
 
@@ -276,7 +277,7 @@ class KernelPiece(Piece):
         self.check_attention(window=config.window, dropout=config.dropout)
 
 
-class GroupedAttentionPiece(Piece):
+class GroupedAttentionPiece(AttentionPiece):
     """``attention="gqa"``: chapter 16's :class:`GroupedQueryAttention`."""
 
     owns = MappingProxyType({"n_kv_heads": None, "d_head": None, "qk_norm": False, "window": None})
@@ -295,10 +296,16 @@ class GroupedAttentionPiece(Piece):
                 "key/value head serves n_heads // n_kv_heads query heads"
             )
 
-    def rotary_layout(self, config: Any) -> dict[str, Any]:
+    def rotary_layout(self, config: Any) -> RotaryLayout:
         """What rotary positions turn in each head: the first ``partial_rotary_factor`` of
         its ``head_dim`` coordinates, the halves paired."""
-        return dict(dim=config.head_dim, partial_rotary_factor=config.partial_rotary_factor)
+        return RotaryLayout(config.head_dim, config.partial_rotary_factor)
+
+    def saved_as(self, config: Any) -> str:
+        """Qwen3 with QK-norm (Qwen3-MoE with experts too), Llama otherwise (chapter 19)."""
+        if config.qk_norm:
+            return "qwen3_moe" if config.n_experts else "qwen3"
+        return "llama"
 
     def build(self, config: Any, rotary: PositionHook | None) -> GroupedQueryAttention:
         return GroupedQueryAttention(

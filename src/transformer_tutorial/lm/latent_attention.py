@@ -34,8 +34,9 @@ from transformer_tutorial.checks import (
 )
 from transformer_tutorial.lm.cache import CacheLayout, LayerCache
 from transformer_tutorial.lm.grouped_attention import PositionHook, check_attention_input
-from transformer_tutorial.lm.registry import ATTENTIONS, POSITIONS, Piece
+from transformer_tutorial.lm.registry import ATTENTIONS, POSITIONS, AttentionPiece
 from transformer_tutorial.lm.rope_scaling import RopeScaling, check_scaling
+from transformer_tutorial.lm.rotary import RotaryLayout
 from transformer_tutorial.masks import causal_mask, check_padding_mask, sdpa_mask
 from transformer_tutorial.norms import RMSNorm
 
@@ -335,7 +336,7 @@ def latent_cache_bytes(
     return n_layers * batch_size * length * (kv_lora_rank + qk_rope_head_dim) * dtype.itemsize
 
 
-class LatentAttentionPiece(Piece):
+class LatentAttentionPiece(AttentionPiece):
     """``attention="mla"``: chapter 21's :class:`MultiHeadLatentAttention`, its scores scaled as
     DeepSeek's; rotary positions on its ``qk_rope_head_dim`` part only."""
 
@@ -349,13 +350,14 @@ class LatentAttentionPiece(Piece):
             "rope_interleave": False,
         }
     )
-    takes_kernel = False
+    needs = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
     def check(self, config: Any) -> None:
-        missing = [k for k in list(self.owns)[1:5] if getattr(config, k) is None]
+        missing = [k for k in self.needs if getattr(config, k) is None]
         if missing:
             raise ValueError(f"attention='mla' needs {', '.join(missing)}")
-        check_latent_dims(**{k: getattr(config, k) for k in list(self.owns)[:5]})
+        widths = {k: getattr(config, k) for k in self.needs}
+        check_latent_dims(**widths, q_lora_rank=config.q_lora_rank)
         in_attention = POSITIONS[config.positions].in_attention
         if not in_attention or config.partial_rotary_factor != 1.0 or config.bias:
             raise ValueError(
@@ -364,11 +366,14 @@ class LatentAttentionPiece(Piece):
                 f"{config.positions!r}, {config.partial_rotary_factor}, {config.bias})"
             )
 
-    def rotary_layout(self, config: Any) -> dict[str, Any]:
+    def rotary_layout(self, config: Any) -> RotaryLayout:
         """The ``qk_rope_head_dim`` part of each head, its pairs interleaved with
         ``rope_interleave`` (DeepSeek's checkpoints)."""
         layout = "interleaved" if config.rope_interleave else "half_split"
-        return dict(dim=config.qk_rope_head_dim, layout=layout)
+        return RotaryLayout(config.qk_rope_head_dim, layout=layout)
+
+    def saved_as(self, config: Any) -> str:
+        return "deepseek_v3"
 
     def build(self, config: Any, rotary: PositionHook | None) -> MultiHeadLatentAttention:
         return MultiHeadLatentAttention(

@@ -77,12 +77,15 @@ class LanguageModel(nn.Module):
         stream still grows through the stack, as chapter 14 measures). Each piece names its own
         (``residual_projections``: attention's ``out_proj``, the feed-forward's ``linear2`` or
         ``down_proj``, the experts' stacked ``down_proj``), so a new piece declares its own.
-        With ``scale_embeddings`` the table is N(0, 1/D), as in chapter 9. The rotary tables,
-        buffers rather than weights, are computed again too (after ``to_empty`` they hold
-        garbage)."""
+        With ``scale_embeddings`` the table is N(0, 1/D), as in chapter 9. The buffers, which are
+        not weights, are computed again too (after ``to_empty`` they hold garbage): each module
+        that keeps some resets its own (``reset_buffers``: the rotary and sinusoidal tables,
+        DeepSeek's correction bias)."""
         self._init_weights()
-        if self.rotary is not None:
-            self.rotary.reset_tables()
+        for module in self.modules():
+            reset_buffers = getattr(module, "reset_buffers", None)
+            if reset_buffers is not None:
+                reset_buffers()
 
     def _init_weights(self) -> None:
         residual = {

@@ -347,6 +347,11 @@ class DeepSeekMoE(MixtureOfExperts):
             SwiGLU(d_model, d_ff * n_shared_experts, dropout=dropout) if n_shared_experts else None
         )
 
+    def reset_buffers(self) -> None:
+        """The correction bias back to zeros, as built (no expert favoured yet)."""
+        with torch.no_grad():
+            self.correction_bias.zero_()
+
     def route(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
         """:func:`group_limited_route` with this layer's settings and bias: weights ``(N, k)``
         and expert ids ``(N, k)``."""

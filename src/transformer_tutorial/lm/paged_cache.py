@@ -54,6 +54,20 @@ class BlockAllocator:
         table.extend(self.free.pop() for _ in range(needed))
         return table
 
+    def reserve_rows(self, seqs: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
+        """:meth:`reserve` for every sequence of ``seqs`` at once, all or nothing: an error, with
+        nothing taken, when the free blocks do not cover them all."""
+        needed = sum(
+            max(0, -(-length // self.block_size) - len(self.tables.get(seq, [])))
+            for seq, length in zip(seqs, lengths, strict=True)
+        )
+        if needed > len(self.free):
+            raise RuntimeError(
+                f"all {self.n_blocks} blocks of {self.block_size} positions are in use: "
+                f"build the cache with more n_blocks"
+            )
+        return [self.reserve(seq, length) for seq, length in zip(seqs, lengths, strict=True)]
+
     def release(self, seq: int) -> None:
         """Give the blocks of ``seq`` back to the pool."""
         self.free.extend(reversed(self.tables.pop(seq, [])))
@@ -121,9 +135,7 @@ class PagedCache:
                 f"row's prompt on its own"
             )
         bs = self.allocator.block_size
-        tables = [
-            self.allocator.reserve(s, n + L) for s, n in zip(self.seqs, self.lengths, strict=True)
-        ]
+        tables = self.allocator.reserve_rows(self.seqs, [n + L for n in self.lengths])
         # 1) write: position p of a row goes to slot p % bs of its block p // bs
         slots = [
             t[p // bs] * bs + p % bs
@@ -159,7 +171,10 @@ class PagedPiece(Piece):
         allocator: BlockAllocator | None = None,
     ) -> LMCache:
         if n_blocks is None or block_size is None:
-            raise ValueError("the paged cache needs n_blocks and block_size")
+            raise ValueError(
+                "the paged cache needs n_blocks and block_size: model.new_cache(B, 'paged', "
+                "n_blocks=..., block_size=...), then generate(..., cache=...)"
+            )
         check_int("n_blocks", n_blocks, at_least=1)
         check_int("block_size", block_size, at_least=1)
         if allocator is None:

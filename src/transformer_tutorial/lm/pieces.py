@@ -24,13 +24,19 @@ from torch import Tensor, nn
 
 from transformer_tutorial.attention import KVCache, MultiHeadAttention
 from transformer_tutorial.checks import check_bool, check_int, check_tensor, check_type
-from transformer_tutorial.embeddings import SinusoidalPositionalEncoding
+from transformer_tutorial.embeddings import SinusoidalPositionalEncoding, sinusoidal_table
 from transformer_tutorial.feed_forward import build_feed_forward
 from transformer_tutorial.lm.cache import CacheLayout, LayerCache
 from transformer_tutorial.lm.config import LMConfig
-from transformer_tutorial.lm.registry import ATTENTIONS, POSITIONS, ROUTERS, Piece
+from transformer_tutorial.lm.registry import (
+    ATTENTIONS,
+    POSITIONS,
+    ROUTERS,
+    AttentionPiece,
+    PositionsPiece,
+)
 from transformer_tutorial.lm.rope_scaling import REFUSED, RopeScaling, rotary_width, scaled_rotary
-from transformer_tutorial.lm.rotary import RotaryPositions
+from transformer_tutorial.lm.rotary import RotaryLayout, RotaryPositions
 from transformer_tutorial.masks import causal_mask
 from transformer_tutorial.norms import build_norm
 
@@ -165,6 +171,15 @@ class LearnedPositionalEmbedding(nn.Module):
         return self.dropout(x + self.weight[start : start + length])
 
 
+class SinusoidalPositions(SinusoidalPositionalEncoding):
+    """Chapter 2's table as the language model's positions: the same module, which also computes
+    its table again when the model resets its buffers (after ``to_empty``)."""
+
+    def reset_buffers(self) -> None:
+        with torch.no_grad():
+            self.pe.copy_(sinusoidal_table(*self.pe.shape))
+
+
 class PositionsInAttention(nn.Module):
     """The embedding side of rotary positions: nothing is added, only dropout. The positions
     enter each attention layer, where queries and keys are turned by them.
@@ -190,11 +205,9 @@ def check_positions_input(x: object, start: object, d_model: int | None = None) 
     check_int("start", start, at_least=0)
 
 
-class MultiHeadPiece(Piece):
+class MultiHeadPiece(AttentionPiece):
     """``attention="mha"``: chapter 4's multi-head attention (:class:`CausalMultiHeadAttention`,
     GPT-2's), positions added to the embeddings: no rotary hook, no kernel to choose."""
-
-    takes_kernel = False
 
     def check(self, config: Any) -> None:
         if config.d_model % config.n_heads:
@@ -202,26 +215,13 @@ class MultiHeadPiece(Piece):
                 f"d_model={config.d_model} must be divisible by n_heads={config.n_heads}"
             )
 
-    def rotary_layout(self, config: Any) -> None:
-        return None
+    def saved_as(self, config: Any) -> str:
+        return "gpt2"  # its config function names any other field to change
 
     def build(self, config: Any, rotary: RotaryPositions | None) -> CausalMultiHeadAttention:
         return CausalMultiHeadAttention(
             config.d_model, config.n_heads, config.dropout, bias=config.bias
         )
-
-
-class PositionsPiece(Piece):
-    """A ``positions`` choice: what it adds to the embeddings (:meth:`build`) and the rotary
-    hook it hands the attention (:meth:`rotary`, None: it turns nothing in attention)."""
-
-    in_attention = False  # whether positions enter the attention (per-row position ids)
-
-    def build(self, config: Any) -> nn.Module:
-        raise NotImplementedError
-
-    def rotary(self, config: Any, *, checked: bool) -> RotaryPositions | None:
-        return None
 
 
 class LearnedPiece(PositionsPiece):
@@ -239,7 +239,7 @@ class SinusoidalPiece(PositionsPiece):
             raise ValueError(f"d_model={config.d_model} must be even for sinusoidal positions")
 
     def build(self, config: Any) -> nn.Module:
-        return SinusoidalPositionalEncoding(config.d_model, config.max_len, config.dropout)
+        return SinusoidalPositions(config.d_model, config.max_len, config.dropout)
 
 
 class RotaryPiece(PositionsPiece):
@@ -247,7 +247,9 @@ class RotaryPiece(PositionsPiece):
     turned in every attention, over the part of each head its attention names
     (``rotary_layout``), with chapter 18's ``rope_scaling`` and ``partial_rotary_factor``."""
 
-    owns = MappingProxyType({"rope_scaling": None, "partial_rotary_factor": 1.0})
+    owns = MappingProxyType(
+        {"rope_base": 10000.0, "rope_scaling": None, "partial_rotary_factor": 1.0}
+    )
     in_attention = True
 
     def check(self, config: Any) -> None:
@@ -265,22 +267,23 @@ class RotaryPiece(PositionsPiece):
                 f"positions='rope' turns queries and keys inside the attention; "
                 f"attention={config.attention!r} has no hook for them: set attention='gqa'"
             )
-        if layout["dim"] % 2:
-            raise ValueError(f"the head width {layout['dim']} must be even for rotary positions")
-        rotary_width(layout["dim"], layout.get("partial_rotary_factor", 1.0))  # even, ≥ 2
+        if layout.dim % 2:
+            raise ValueError(f"the head width {layout.dim} must be even for rotary positions")
+        rotary_width(layout.dim, layout.partial_rotary_factor)  # even, ≥ 2
 
     def build(self, config: Any) -> nn.Module:
         return PositionsInAttention(config.dropout)
 
     def rotary(self, config: Any, *, checked: bool) -> RotaryPositions:
-        layout = ATTENTIONS[config.attention].rotary_layout(config)
+        layout: RotaryLayout = ATTENTIONS[config.attention].rotary_layout(config)
         return scaled_rotary(
-            layout.pop("dim"),
+            layout.dim,
             max_len=config.max_len,
             base=config.rope_base,
             scaling=config.rope_scaling,
+            partial_rotary_factor=layout.partial_rotary_factor,
+            layout=layout.layout,
             checked=checked,
-            **layout,
         )
 
 

@@ -77,7 +77,7 @@ from transformer_tutorial.lm.moe_weights import (
     lm_config_from_qwen3_moe,
     qwen3_moe_config,
 )
-from transformer_tutorial.lm.registry import POSITIONS
+from transformer_tutorial.lm.registry import ATTENTIONS, POSITIONS
 
 HEAD = "lm_head.weight"  # the output layer, left out of a tied checkpoint
 
@@ -394,27 +394,12 @@ def _check_tie(state: dict[str, Tensor], skeleton: nn.Module, folder: Path) -> s
     return embed
 
 
-# The family a config is saved as, by its attention (that family's config function then names
-# any other field it cannot hold): GPT-2's heads, chapter 16's (Qwen3 with QK-norm, Qwen3-MoE
-# with experts too, Llama otherwise), chapter 21's latents.
-SAVED_AS: dict[str, Callable[[LMConfig], str]] = {
-    "mha": lambda c: "gpt2",
-    "gqa": lambda c: ("qwen3_moe" if c.n_experts else "qwen3") if c.qk_norm else "llama",
-    "mla": lambda c: "deepseek_v3",
-}
-
-
 def model_type(config: LMConfig) -> str:
-    """The ``model_type`` our ``config`` is saved as (:data:`SAVED_AS`): ``"deepseek_v3"`` with
-    latent attention, ``"qwen3_moe"`` with QK-norm and experts, ``"qwen3"`` with QK-norm,
-    ``"llama"`` with chapter 16's attention otherwise, ``"gpt2"`` with chapter 4's."""
-    saved_as = SAVED_AS.get(config.attention)
-    if saved_as is None:
-        raise ValueError(
-            f"attention={config.attention!r} has no checkpoint family: save_pretrained writes "
-            f"{sorted(SAVED_AS)}"
-        )
-    return saved_as(config)
+    """The ``model_type`` our ``config`` is saved as, as its attention's piece says
+    (``saved_as``): ``"gpt2"`` with chapter 13's attention, ``"llama"``, ``"qwen3"`` (QK-norm)
+    or ``"qwen3_moe"`` (and experts) with chapter 16's, ``"deepseek_v3"`` with latent attention;
+    that family's config function then names any other field it cannot hold."""
+    return ATTENTIONS[config.attention].saved_as(config)
 
 
 def save_pretrained(

@@ -43,34 +43,75 @@ class Piece:
         """Raise if ``config`` (which chose this piece) is not one this piece can build."""
 
 
+class AttentionPiece(Piece):
+    """An ``attention`` choice: :meth:`build` makes the module, which answers the layer's call
+    and declares its ``cache_layout``. By default it has no rotary hook (:meth:`rotary_layout`
+    None), no kernel of chapter 16's to choose (``takes_kernel``) and no checkpoint family
+    (:meth:`saved_as`); a piece that has one says so."""
+
+    takes_kernel = False
+
+    def build(self, config: Any, rotary: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must build its attention")
+
+    def rotary_layout(self, config: Any) -> Any:
+        """What rotary positions turn in each head (a ``rotary.RotaryLayout``), or None."""
+        return None
+
+    def saved_as(self, config: Any) -> str:
+        """The ``transformers`` ``model_type`` a model of this attention is saved as."""
+        raise ValueError(
+            f"attention={config.attention!r} has no checkpoint family that save_pretrained writes"
+        )
+
+
+class PositionsPiece(Piece):
+    """A ``positions`` choice: what it adds to the embeddings (:meth:`build`) and the rotary
+    hook it hands every attention (:meth:`rotary`; None: it turns nothing in attention)."""
+
+    in_attention = False  # whether positions enter the attention (per-row position ids)
+
+    def build(self, config: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must build its embedding side")
+
+    def rotary(self, config: Any, *, checked: bool) -> Any:
+        return None
+
+
 class Registry:
     """The pieces one config ``field`` chooses among, by name, in the order registered.
 
     ``registry[name]`` is the piece (an error naming the field and the valid names otherwise);
     :meth:`check` validates a config's choice; ``name in registry`` and ``tuple(registry)`` list
     the choices. ``modules``: the modules that register the book's pieces, imported on first
-    use."""
+    use; ``kind``: the class every piece of this registry is (its protocol)."""
 
-    def __init__(self, field: str, modules: tuple[str, ...] = ()) -> None:
-        self.field, self.modules = field, modules
+    def __init__(
+        self, field: str, modules: tuple[str, ...] = (), kind: type[Piece] = Piece
+    ) -> None:
+        self.field, self.modules, self.kind = field, modules, kind
         self._pieces: dict[str, Piece] = {}
         self._loaded = False
 
     @property
     def pieces(self) -> dict[str, Piece]:
-        """Every registered piece by name, the book's modules imported first."""
+        """Every registered piece by name, the book's modules imported first (again on the next
+        lookup if one failed)."""
         if not self._loaded:
-            self._loaded = True
             for module in self.modules:
                 importlib.import_module(module)
+            self._loaded = True
         return self._pieces
 
     def register(self, name: str, piece: Piece) -> Piece:
         """Add ``piece`` under ``name`` (a new name: a piece is never replaced); returns it."""
         if not isinstance(name, str) or not name:
             raise TypeError(f"a {self.field} name must be a non-empty string, got {name!r}")
-        if not isinstance(piece, Piece):
-            raise TypeError(f"{self.field}={name!r} must be registered as a Piece, got {piece!r}")
+        if not isinstance(piece, self.kind):
+            raise TypeError(
+                f"{self.field}={name!r} must be registered as a piece of kind "
+                f"{self.kind.__name__}, got {piece!r}"
+            )
         if name in self._pieces:
             raise ValueError(f"{self.field}={name!r} is already registered")
         self._pieces[name] = piece
@@ -123,8 +164,11 @@ ATTENTIONS = Registry(
         _LM + "grouped_attention",  # "gqa", chapter 16
         _LM + "latent_attention",  # "mla", chapter 21
     ),
+    AttentionPiece,
 )
-POSITIONS = Registry("positions", (_LM + "pieces",))  # "learned", "sinusoidal" (13), "rope" (15)
+POSITIONS = Registry(  # "learned", "sinusoidal" (chapter 13), "rope" (15)
+    "positions", (_LM + "pieces",), PositionsPiece
+)
 ATTENTION_KERNELS = Registry(
     "attention_backend",
     (

@@ -22,6 +22,8 @@ cos and sin ``(B, L, Dh)`` (or ``(L, Dh)``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -34,6 +36,17 @@ from transformer_tutorial.checks import (
 )
 
 LAYOUTS = ("half_split", "interleaved", "half_split_negative")
+
+
+@dataclass(frozen=True)
+class RotaryLayout:
+    """What rotary positions turn in each head of an attention, as the attention declares it:
+    the first ``int(dim · partial_rotary_factor)`` of ``dim`` coordinates, paired as ``layout``
+    says (one of ``LAYOUTS``)."""
+
+    dim: int
+    partial_rotary_factor: float = 1.0
+    layout: str = "half_split"
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -201,7 +214,7 @@ class RotaryPositions(nn.Module):
         )
         self.layout = layout
 
-    def reset_tables(self) -> None:
+    def reset_buffers(self) -> None:
         """Compute the cos and sin tables again (:meth:`RotaryEmbedding.reset_tables`)."""
         self.rotary.reset_tables()
 
