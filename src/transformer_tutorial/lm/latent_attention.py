@@ -201,12 +201,8 @@ class MultiHeadLatentAttention(nn.Module):
         every held latent up-projected; None (the default): :meth:`absorbs` chooses."""
         self._check_input(x, cache, position_ids, absorbed)
         B, L, _ = x.shape
-        H, Dc, Dn, Dr = (
-            self.n_heads,
-            self.kv_lora_rank,
-            self.qk_nope_head_dim,
-            self.qk_rope_head_dim,
-        )
+        H, Dc = self.n_heads, self.kv_lora_rank
+        Dn, Dr = self.qk_nope_head_dim, self.qk_rope_head_dim
         seen = 0 if cache is None else cache.seen
         check_padding_mask("key_padding_mask", key_padding_mask, "(B, seen + L)", (B, seen + L))
         # 1) queries, directly or through their own latent: (B, H, L, Dn + Dr)
@@ -277,13 +273,9 @@ class MultiHeadLatentAttention(nn.Module):
         """5) W_UK folded into the query, W_UV applied after: one key/value head, the latent,
         which every head's queries read as one longer sequence of queries (``H · L`` rows)."""
         B, H, L, _ = q_nope.shape
-        S = held.size(1)
-        w = self.kv_b_proj.weight.view(
-            H, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
-        )
-        w_uk, w_uv = w.split(
-            [self.qk_nope_head_dim, self.v_head_dim], dim=1
-        )  # (H, Dn, Dc), (H, Dv, Dc)
+        S, Dn, Dv = held.size(1), self.qk_nope_head_dim, self.v_head_dim
+        w = self.kv_b_proj.weight.view(H, Dn + Dv, self.kv_lora_rank)
+        w_uk, w_uv = w.split([Dn, Dv], dim=1)  # (H, Dn, Dc), (H, Dv, Dc)
         q_latent = torch.einsum("bhld,hdc->bhlc", q_nope, w_uk)  # (B, H, L, Dc)
         q = torch.cat([q_latent, q_rope], dim=-1).reshape(B, 1, H * L, -1)  # (B, 1, H·L, Dc+Dr)
         k = held[:, None]  # (B, 1, S, Dc + Dr): one key head, shared
