@@ -222,6 +222,17 @@ def print_roofline_table(roof: dict) -> None:
             f"{r['read_gb_per_s']:>7.1f}{r['roofline']:>9.0%}{r['vs_theirs_fp32']:>9.2f}"
             f"{r['vs_theirs_bf16']:>9.2f}{r['agrees_with_fp32']:>8.0%}"
         )
+    if "ceiling" in roof:  # CPU runs
+        print(
+            f"kernel ceiling (each linear layer once, batch 1, OMP_WAIT_POLICY="
+            f"{roof['omp_wait_policy']}):"
+        )
+        for k, c in roof["ceiling"]["kernels"].items():
+            print(
+                f"   {k:<24}{c['step_ms']:>9.1f}{'':>8}{c['read_gb_per_s']:>7.1f}"
+                f"{c['roofline']:>9.0%}"
+            )
+        print(f"{roof['ceiling']['verdict']}; {roof['ceiling']['roofline_verdict']}")
     loss = roof["loss"]
     print(
         f"held-out loss gap to float32, chapter 17's model trained {loss['train_seconds']:.0f} s: "

@@ -14,17 +14,35 @@ Checks before any timing: ours and theirs give the same greedy tokens in float32
 each lower precision's tokens are compared with ours in float32 (the share that agree), and its
 loss on held-out text of a *trained* model (chapter 17's Llama-style model trained for
 ``TRAIN_SECONDS`` on Multi30k, chapter 13's data) is compared with float32's.
+
+The **kernel ceiling** (:class:`KernelPasses`, CPU only) says what the kernels alone allow: the
+model's linear layers, each called once in the model's order on one row (batch 1, each its own
+weights, so a pass reads what a decoding step reads), with the kernel each variant runs —
+``F.linear`` in float32 and bf16 as ``LlamaForCausalLM`` runs them, PyTorch's int8 and int4
+weight-only kernels with bf16 activations as ``QuantizedLinear`` calls them, and
+``QuantizedLinear`` itself (its own cost per call: the difference). A run of as many passes as
+the decoding run has steps is timed in the same turns as batch 1's decoding runs, so that a
+loaded machine weighs on both alike. A pass is the fastest a decoding step could be with these
+kernels and nothing else; the section reports it as GB/s, as its share of the roofline, as the
+best ratio to ``LlamaForCausalLM`` float32 a step of them could reach, and, by subtraction, each
+decoding row's time outside its linear layers (attention, norms, rotary, the cache, the Python
+loop). OpenMP's wait policy is recorded: with ``OMP_WAIT_POLICY=PASSIVE`` idle threads sleep,
+and each of the kernels' parallel calls pays for waking them.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
+import statistics
 import time
+from collections import Counter, defaultdict
 from collections.abc import Callable
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from bench.cli import Settings
 from bench.llama import MODELS, build_pair
@@ -34,7 +52,7 @@ from transformer_tutorial.experiments.harness import train_for, validation_loss
 from transformer_tutorial.lm.config import LMConfig
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.sampling import generate
-from transformer_tutorial.quantization import quantize_linears, weight_bytes
+from transformer_tutorial.quantization import QuantizedLinear, quantize_linears, weight_bytes
 
 # (batches, prompt length, new tokens, bandwidth buffer MiB, training seconds): --quick, full.
 SHAPES = {"quick": ((1, 2), 8, 4, 64, 3.0), "full": ((1, 8), 8, 64, 1024, 60.0)}
@@ -47,6 +65,16 @@ VARIANTS = (
     "theirs fp32",
     "theirs bf16",
 )
+# The kernel ceiling's variants: (its name, the decoding row it bounds).
+KERNELS = {
+    "fp32 F.linear": "theirs fp32",
+    "bf16 F.linear": "theirs bf16",
+    "int8 kernel (bf16 act.)": "ours int8 (bf16 act.)",
+    "int8 QuantizedLinear": "ours int8 (bf16 act.)",
+    "int4 kernel (bf16 act.)": "ours int4 (bf16 act.)",
+}
+GOAL_VS_FP32 = 3.0  # issue 45: int8 decoding ≥ 3× LlamaForCausalLM float32 at batch 1
+GOAL_ROOFLINE = 0.5  # … at ≥ 50% of the measured bandwidth roofline
 
 
 def read_bandwidth(mib: int, repeats: int, device: torch.device) -> float:
@@ -122,12 +150,18 @@ def _agreement(tokens: list, reference: list) -> float:
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
-def decode_rows(s: Settings, device: torch.device, bandwidth: float, kind: str) -> list[dict]:
-    """Each batch: the variants' tokens checked, then their decoding timed in turns."""
+def decode_rows(
+    models: dict[str, tuple[str, nn.Module]],
+    s: Settings,
+    device: torch.device,
+    bandwidth: float,
+    kind: str,
+) -> tuple[list[dict], dict]:
+    """Each batch: the variants' tokens checked, then their decoding timed in turns; at batch 1
+    on the CPU, the kernel ceiling's passes in the same turns (:class:`KernelPasses`)."""
     batches, prompt_len, n, _, _ = SHAPES[kind]
-    models = _models(s, device)
     vocab = MODELS[s.llama_config].vocab_size
-    rows = []
+    rows, kernels = [], {}
     for batch in batches:
         gen = torch.Generator().manual_seed(batch)
         prompt = torch.randint(0, vocab, (batch, prompt_len), generator=gen).to(device)
@@ -135,7 +169,10 @@ def decode_rows(s: Settings, device: torch.device, bandwidth: float, kind: str) 
         tokens = {name: fn() for name, fn in fns.items()}
         same = tokens["ours fp32"] == tokens["theirs fp32"]
         assert same, f"ours and LlamaForCausalLM decode different float32 tokens at batch {batch}"
+        passes = kernel_passes(models, n) if batch == 1 and device.type == "cpu" else {}
+        fns |= {k: p.run for k, p in passes.items()}
         timed = interleaved(fns, s.llama_repeats, s.warmup_after_check(), device)
+        kernels |= {k: p.summary(timed[k], n, bandwidth) for k, p in passes.items()}
         for name, (_, model) in models.items():
             step_s = timed[name]["median_s"] / n
             nbytes = step_bytes(model)
@@ -162,7 +199,138 @@ def decode_rows(s: Settings, device: torch.device, bandwidth: float, kind: str) 
                 f"bf16 {r['vs_theirs_bf16']:.2f}; tokens as fp32 {r['agrees_with_fp32']:.0%}",
                 flush=True,
             )
-    return rows
+    return rows, kernels
+
+
+Call = tuple[tuple[int, int], Callable[[], Tensor], int]  # (weight shape, the call, bytes read)
+
+
+def _linear_calls(name: str, model: nn.Module) -> list[Call]:
+    """Each linear layer of ``model`` in its order, as kernel ``name`` calls it on one row."""
+    calls = []
+    for m in model.modules():
+        if name.endswith("F.linear") and isinstance(m, nn.Linear):
+            w = m.weight.detach()
+            x = torch.randn(1, m.in_features, dtype=w.dtype, device=w.device)
+            calls.append((tuple(w.shape), lambda x=x, w=w: F.linear(x, w), w.nbytes))
+        elif isinstance(m, QuantizedLinear):
+            x = torch.randn(1, m.in_features, dtype=torch.bfloat16, device=m.qweight.device)
+            nbytes = m.qweight.numel() * m.bits // 8 + m.scale.nbytes
+            calls.append((tuple(m.qweight.shape), _quantized_call(name, m, x), nbytes))
+    return calls
+
+
+def _quantized_call(name: str, m: QuantizedLinear, x: Tensor) -> Callable[[], Tensor]:
+    if name == "int8 QuantizedLinear":
+        return lambda: m(x[None])  # (1, 1, in): a decoding step's shape
+    if name.startswith("int8"):
+        scale = m.scale[:, 0].to(x.dtype)  # (out,), converted once
+        return lambda: torch.ops.aten._weight_int8pack_mm(x, m.qweight, scale)
+    scales = m.int4_scales.to(x.dtype)
+    return lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, m.int4_packed, m.group_size, scales
+    )
+
+
+class KernelPasses:
+    """One kernel of :data:`KERNELS` on every linear layer of its model: a call of :meth:`run`
+    is ``n`` passes (a decoding run's ``n`` steps), timed beside the decoding runs; each pass's
+    time by weight shape is kept."""
+
+    def __init__(self, calls: list[Call], n: int) -> None:
+        self.calls, self.n = calls, n
+        self.spent: list[dict[tuple[int, int], float]] = []  # a run's seconds by shape
+
+    @torch.no_grad()
+    def run(self) -> None:
+        spent: dict[tuple[int, int], float] = defaultdict(float)
+        for _ in range(self.n):
+            for shape, call, _ in self.calls:
+                start = time.perf_counter()
+                call()
+                spent[shape] += time.perf_counter() - start
+        self.spent.append(spent)
+
+    def summary(self, timed: dict, n: int, bandwidth: float) -> dict:
+        """A pass's time (the timed runs' median ÷ ``n``), its bytes, GB/s and share of the
+        roofline, and each shape's summed time a pass (median over the timed runs)."""
+        step_s = timed["median_s"] / n
+        nbytes = sum(b for _, _, b in self.calls)
+        timed_runs = self.spent[-len(timed["times_s"]) :]  # the warm-up runs dropped
+        layers = Counter(shape for shape, _, _ in self.calls)
+        return {
+            "step_ms": 1e3 * step_s,
+            "spread": timed["spread"],
+            "step_bytes": nbytes,
+            "read_gb_per_s": nbytes / step_s / 1e9,
+            "roofline": nbytes / step_s / bandwidth,
+            "shapes": [
+                {
+                    "shape": list(shape),
+                    "layers": count,
+                    "ms": 1e3 * statistics.median(t[shape] for t in timed_runs) / n,
+                }
+                for shape, count in layers.items()
+            ],
+        }
+
+
+def kernel_passes(models: dict[str, tuple[str, nn.Module]], n: int) -> dict[str, KernelPasses]:
+    """The kernel ceiling's contenders (:data:`KERNELS`, int4 where its packed kernel runs)."""
+    calls = {k: _linear_calls(k, models[row][1]) for k, row in KERNELS.items()}
+    return {k: KernelPasses(c, n) for k, c in calls.items() if c}
+
+
+def ceiling_summary(kernels: dict, rows: list[dict]) -> dict:
+    """The batch-1 decoding rows against the kernel ceiling: the best ratio to
+    ``LlamaForCausalLM`` float32 the int8 kernel allows, each row's time outside its linear
+    layers (the row's step − its kernels' pass), and the verdict on issue 45's goals."""
+    step = {r["variant"]: r["step_ms"] for r in rows if r["batch"] == 1}
+    theirs = step["theirs fp32"]
+    int8 = kernels["int8 kernel (bf16 act.)"]
+    best = theirs / int8["step_ms"]
+    reached = theirs / step["ours int8 (bf16 act.)"]
+    outside = {
+        row: {"step_ms": step[row], "kernels_ms": kernels[k]["step_ms"]}
+        for k, row in KERNELS.items()
+        if k in kernels and k != "int8 QuantizedLinear"
+    }
+    for o in outside.values():
+        o["outside_ms"] = o["step_ms"] - o["kernels_ms"]
+        o["outside_share"] = o["outside_ms"] / o["step_ms"]
+    wrapper = kernels["int8 QuantizedLinear"]["step_ms"] - int8["step_ms"]
+    if best < GOAL_VS_FP32:
+        verdict = (
+            f"int8 ≥ {GOAL_VS_FP32:g}× LlamaForCausalLM float32 is out of reach with PyTorch's "
+            f"CPU kernels here: a step of the int8 kernel alone ({int8['step_ms']:.1f} ms) "
+            f"would be {best:.2f}× theirs ({theirs:.1f} ms), {GOAL_VS_FP32 / best:.2f}× short"
+        )
+    else:
+        verdict = (
+            f"the int8 kernel allows {best:.2f}× LlamaForCausalLM float32 (a pass of "
+            f"{int8['step_ms']:.1f} ms against theirs {theirs:.1f} ms); decoding reaches "
+            f"{reached:.2f}×: {outside['ours int8 (bf16 act.)']['outside_ms']:.1f} ms a step "
+            f"go outside the linear layers ({wrapper:.1f} ms of them QuantizedLinear's own)"
+        )
+    int8_row = next(r for r in rows if r["batch"] == 1 and r["variant"].startswith("ours int8"))
+    roofline = (
+        f"the int8 kernel alone reads {int8['read_gb_per_s']:.1f} GB/s, "
+        f"{int8['roofline']:.0%} of the roofline, decoding {int8_row['roofline']:.0%}"
+        + (
+            f": ≥ {GOAL_ROOFLINE:.0%} is out of reach with this kernel"
+            if int8["roofline"] < GOAL_ROOFLINE
+            else ""
+        )
+    )
+    return {
+        "best_vs_theirs_fp32": best,
+        "reached_vs_theirs_fp32": reached,
+        "kernels_fp32_over_int8": kernels["fp32 F.linear"]["step_ms"] / int8["step_ms"],
+        "quantized_linear_own_ms": wrapper,
+        "outside_linears": outside,
+        "verdict": verdict,
+        "roofline_verdict": roofline,
+    }
 
 
 def loss_rows(kind: str) -> dict:
@@ -195,9 +363,35 @@ def bench_roofline(s: Settings, device: torch.device) -> dict:
     mib = SHAPES[kind][3]
     bandwidth = read_bandwidth(mib, s.llama_repeats, device)
     print(f"  read bandwidth: {bandwidth / 1e9:.1f} GB/s (sum of {mib} MiB, best run)")
-    return {
+    models = _models(s, device)
+    rows, kernels = decode_rows(models, s, device, bandwidth, kind)
+    out = {
         "config": s.llama_config,
         "bandwidth_gb_per_s": bandwidth / 1e9,
-        "rows": decode_rows(s, device, bandwidth, kind),
-        "loss": loss_rows(kind),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "threads": torch.get_num_threads(),
+        "rows": rows,
     }
+    if kernels:  # PyTorch's weight-only kernels: CPU ones
+        out["ceiling"] = {"kernels": kernels, **ceiling_summary(kernels, rows)}
+        _print_ceiling(out["ceiling"], out["omp_wait_policy"])
+    out["loss"] = loss_rows(kind)
+    return out
+
+
+def _print_ceiling(ceiling: dict, policy: str) -> None:
+    for k, c in ceiling["kernels"].items():
+        shapes = ", ".join(
+            f"{s['layers']}×{s['shape'][0]}×{s['shape'][1]} {s['ms']:.2f}" for s in c["shapes"]
+        )
+        print(
+            f"  kernel ceiling {k:<24} {c['step_ms']:6.1f} ms a pass, {c['read_gb_per_s']:5.1f} "
+            f"GB/s = {c['roofline']:.0%} of the roofline (ms by shape: {shapes})",
+            flush=True,
+        )
+    for row, o in ceiling["outside_linears"].items():
+        print(
+            f"  B=1 {row:<22} {o['step_ms']:6.1f} ms a step − {o['kernels_ms']:.1f} ms of "
+            f"linear layers = {o['outside_ms']:.1f} ms outside them ({o['outside_share']:.0%})"
+        )
+    print(f"  OMP_WAIT_POLICY={policy}: {ceiling['verdict']}; {ceiling['roofline_verdict']}")

@@ -211,6 +211,28 @@ def _check_roofline(results: dict, out: str, bench) -> None:
     assert int8["step_bytes"] < fp32[0]["step_bytes"] / 3  # a byte a weight, not four
     assert set(roof["loss"]["losses"]) == {"fp32", "bf16", "int8", "int4"}
     assert "greedy decoding against the roofline" in out
+    _check_ceiling(roof, out, bench)
+
+
+def _check_ceiling(roof: dict, out: str, bench) -> None:
+    """Section 12's kernel ceiling: every linear layer of the model once a pass (the tiny
+    model's 2 layers of 7 and its output layer), a pass's bytes its row's but the norms',
+    each row's time outside its linear layers its step less its pass, and the verdict."""
+    ceiling = roof["ceiling"]
+    assert list(ceiling["kernels"]) == list(bench.roofline.KERNELS)
+    step = {r["variant"]: r for r in roof["rows"] if r["batch"] == 1}
+    for name, c in ceiling["kernels"].items():
+        assert sum(s["layers"] for s in c["shapes"]) == 2 * 7 + 1
+        row_bytes = step[bench.roofline.KERNELS[name]]["step_bytes"]  # the norms' too
+        assert 0.95 * row_bytes < c["step_bytes"] < row_bytes
+        assert c["roofline"] == pytest.approx(
+            c["step_bytes"] / (c["step_ms"] / 1e3) / (roof["bandwidth_gb_per_s"] * 1e9)
+        )
+    for row, o in ceiling["outside_linears"].items():
+        assert o["outside_ms"] == pytest.approx(step[row]["step_ms"] - o["kernels_ms"])
+    int8 = ceiling["kernels"]["int8 kernel (bf16 act.)"]["step_ms"]
+    assert ceiling["best_vs_theirs_fp32"] == pytest.approx(step["theirs fp32"]["step_ms"] / int8)
+    assert ceiling["verdict"] in out and roof["omp_wait_policy"]
 
 
 def _check_tiled(results: dict, out: str) -> None:

@@ -70,6 +70,31 @@ def test_int8_kernel_equals_the_dequantized_matmul(dtype):
         torch.testing.assert_close(x.grad, quantized.weight.sum(0).expand_as(x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="no int8 kernel")
+def test_int8_kernel_scale_is_converted_once_and_follows_the_weights():
+    """The kernel's scale in the activations' dtype is converted once a dtype and reused, the
+    outputs bitwise those of a conversion on every call; an in-place change of the scales
+    (``load_state_dict``) or a move (``.to``) is seen at the next call."""
+    torch.manual_seed(0)
+    quantized = QuantizedLinear(nn.Linear(64, 48, bias=False), bits=8)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = quantized(x)
+        assert quantized._int8_scale(torch.bfloat16) is quantized._int8_scale(torch.bfloat16)
+        fresh = torch.ops.aten._weight_int8pack_mm(
+            x, quantized.qweight, quantized.scale[:, 0].bfloat16()
+        )
+        assert torch.equal(y, fresh)
+        assert quantized(x.float()).dtype == torch.float32  # another dtype, its own scale
+        other = QuantizedLinear(nn.Linear(64, 48, bias=False), bits=8)
+        quantized.load_state_dict(other.state_dict())  # copies into the same scale tensor
+        assert torch.equal(quantized(x), other(x))
+        quantized.scale.mul_(2)
+        assert torch.equal(quantized(x), 2 * other(x))
+        moved = quantized.to(torch.float64)  # a new scale tensor (float64)
+        assert torch.equal(moved(x), 2 * other(x))
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
 @pytest.mark.parametrize("out_features", [96, 50])  # 50: padded to 64 rows for the kernel
 def test_int4_kernel_equals_the_dequantized_matmul(group_size, out_features):

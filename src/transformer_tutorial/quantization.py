@@ -130,6 +130,7 @@ class QuantizedLinear(nn.Module):
         packed = self._int4_packed() if self._packs_int4() else (None, None)
         self.register_buffer("int4_packed", packed[0], persistent=False)
         self.register_buffer("int4_scales", packed[1], persistent=False)
+        self._int8_scale_cache: tuple | None = None  # see _int8_scale
 
     def _packs_int4(self) -> bool:
         return (
@@ -177,13 +178,26 @@ class QuantizedLinear(nn.Module):
             and not (x.requires_grad and torch.is_grad_enabled())
         )
 
+    def _int8_scale(self, dtype: torch.dtype) -> Tensor:
+        """The int8 kernel's scale ``(out,)`` in the activations' dtype (the kernel wants it so),
+        converted once for a scale tensor, its version (bumped by an in-place change,
+        ``load_state_dict``'s too) and a dtype: converted on every call, it cost the capstone's
+        85 layers 0.7-2 ms a decoding step."""
+        version = None if self.scale.is_inference() else self.scale._version  # none kept there
+        cached = self._int8_scale_cache  # (scale, version, dtype, converted) or None
+        if cached is None or cached[0] is not self.scale or cached[1:3] != (version, dtype):
+            converted = self.scale[:, 0].to(dtype)
+            if version is not None:
+                self._int8_scale_cache = (self.scale, version, dtype, converted)
+            return converted
+        return cached[3]
+
     def forward(self, x: Tensor) -> Tensor:
         """``(..., in)`` → ``(..., out)``."""
         self._check_input(x)
         rows = x.reshape(-1, self.in_features)  # (N, in)
         if self._uses_int8_kernel(x):
-            scale = self.scale[:, 0].to(x.dtype)  # (out,): the kernel wants x's dtype
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, scale)
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self._int8_scale(x.dtype))
         elif self._uses_int4_kernel(x):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows, self.int4_packed, self.group_size, self.int4_scales.to(x.dtype)
