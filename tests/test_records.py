@@ -158,6 +158,18 @@ CHAPTER_RECORDS = {
     "dpo_run.load_dpo_record()": "results/dpo/record.json",
     "grpo_run.load_grpo_record()": "results/grpo_digits/record.json",
 }
+# Chapters 21-24 read make bench's records by their paths (records.shipped_record).
+CHAPTER_RECORDS |= {
+    f"records.shipped_record({path!r})": path
+    for path in [
+        "bench/results/intel-xeon/cpu-2.13.0+cpu.json",
+        "bench/results/amd-epyc-decoding/sections-9-10-12.json",
+        "bench/results/amd-epyc-decoding/section-9-copy-task.json",
+        "bench/results/amd-epyc-decoding/section-8.json",
+        "bench/results/amd-epyc-decoding/section-12.json",
+        "bench/results/amd-epyc-decoding/section-12-quieter-batch1.json",
+    ]
+}
 IMPORTS = """
 import json, sys
 from transformer_tutorial import records
