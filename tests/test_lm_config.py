@@ -7,6 +7,7 @@ import pytest
 
 from helpers import raises
 from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
+from transformer_tutorial.lm.grouped_attention import head_width
 from transformer_tutorial.lm.registry import ATTENTIONS, POSITIONS
 from transformer_tutorial.lm.rope_scaling import RopeScaling
 
@@ -61,7 +62,7 @@ def test_a_config_with_rope_scaling_is_hashable_and_compares_by_value():
         return LMConfig(**ROPE, rope_scaling=RopeScaling("linear", factor=2.0))
 
     assert config() == config() and hash(config()) == hash(config())
-    assert LMConfig(**ROPE, partial_rotary_factor=0.5).head_dim == 8
+    assert head_width(LMConfig(**ROPE, partial_rotary_factor=0.5)) == 8
 
 
 # --- API probes (issue 42): each bad config, and what its error must say ----------------------

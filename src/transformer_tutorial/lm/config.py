@@ -141,11 +141,6 @@ class LMConfig:
             and (layer + 1) % self.sparse_step == 0
         )
 
-    @property
-    def head_dim(self) -> int:
-        """Dh: ``d_head``, or ``d_model // n_heads``."""
-        return self.d_model // self.n_heads if self.d_head is None else self.d_head
-
 
 # Today's choices; the sizes are the caller's: LMConfig(vocab_size=V, d_model=..., **LLAMA).
 # Llama (Touvron et al. 2023): pre-norm RMSNorm, SwiGLU, rotary positions, no biases, an output

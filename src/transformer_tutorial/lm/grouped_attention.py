@@ -69,6 +69,12 @@ def kv_cache_bytes(
     return 2 * n_layers * batch_size * length * n_kv_heads * d_head * dtype.itemsize
 
 
+def head_width(config: Any) -> int:
+    """Dh, the head width of chapter 16's attention for an ``LMConfig``: its ``d_head``, or
+    ``d_model // n_heads`` when None (``transformers``' ``head_dim``)."""
+    return config.d_model // config.n_heads if config.d_head is None else config.d_head
+
+
 def check_attention_input(
     attention: nn.Module, x: Tensor, cache: object, position_ids: Tensor | None
 ) -> None:
@@ -299,7 +305,7 @@ class GroupedAttentionPiece(AttentionPiece):
     def rotary_layout(self, config: Any) -> RotaryLayout:
         """What rotary positions turn in each head: the first ``partial_rotary_factor`` of
         its ``head_dim`` coordinates, the halves paired."""
-        return RotaryLayout(config.head_dim, config.partial_rotary_factor)
+        return RotaryLayout(head_width(config), config.partial_rotary_factor)
 
     def saved_as(self, config: Any) -> str:
         """Qwen3 with QK-norm (Qwen3-MoE with experts too), Llama otherwise (chapter 19)."""

@@ -29,6 +29,7 @@ from transformers import (
 from transformer_tutorial.checks import check_optional_int, check_type
 from transformer_tutorial.lm.config import LLAMA, QWEN3, LMConfig
 from transformer_tutorial.lm.gpt2_weights import check_models, copy_pairs
+from transformer_tutorial.lm.grouped_attention import head_width
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.lm.rope_scaling import REFUSED, RopeScaling, scaled_max_len
 
@@ -106,7 +107,7 @@ def _shared_fields(config: LMConfig) -> dict:
         num_hidden_layers=config.n_layers,
         num_attention_heads=config.n_heads,
         num_key_value_heads=config.n_kv_heads or config.n_heads,
-        head_dim=config.head_dim,
+        head_dim=head_width(config),
         max_position_embeddings=config.max_len,
         rms_norm_eps=config.layer_norm_eps,
         tie_word_embeddings=config.tie_embeddings,
