@@ -10,6 +10,7 @@ with True = blocked (see :mod:`transformer_tutorial.masks`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
@@ -187,7 +188,7 @@ class GroupedQueryAttention(nn.Module):
         self.q_norm = RMSNorm(self.d_head, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.d_head, norm_eps) if qk_norm else None
 
-    @property
+    @cached_property  # built once: the model and the attention compare it at every step
     def cache_layout(self) -> CacheLayout:
         """What its cache keeps: keys and values ``(B, Hkv, S, Dh)``."""
         shape = (self.n_kv_heads, self.d_head)

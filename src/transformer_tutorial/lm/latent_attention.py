@@ -19,6 +19,7 @@ shared rotary key ``(B, 1, S, Dr)``; values ``(B, H, S, Dv)``. Masks are bool, T
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
@@ -248,7 +249,7 @@ class MultiHeadLatentAttention(nn.Module):
         Dc, d_kv = self.kv_lora_rank, self.qk_nope_head_dim + self.v_head_dim
         return seen > 0 and new * (seen + new) * (2 * Dc - d_kv) < seen * Dc * d_kv
 
-    @property
+    @cached_property  # built once: the model and the attention compare it at every step
     def cache_layout(self) -> CacheLayout:
         """What its cache keeps: per position the normalised latent then the rotated shared
         key, ``(B, S, Dc + Dr)`` in one tensor."""

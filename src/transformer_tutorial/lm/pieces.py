@@ -16,6 +16,7 @@ Shapes: embeddings ``(B, T, D)``; queries ``(B, H, T, Dh)``, keys and values ``(
 
 from __future__ import annotations
 
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
@@ -107,7 +108,7 @@ class CausalMultiHeadAttention(MultiHeadAttention):
     # What writes into the residual stream: the language model initialises it smaller.
     residual_projections = ("out_proj.weight",)
 
-    @property
+    @cached_property  # built once: the model and the attention compare it at every step
     def cache_layout(self) -> CacheLayout:
         """What its cache keeps: keys and values ``(B, H, S, Dh)``."""
         shape = (self.n_heads, self.d_head)
