@@ -213,12 +213,12 @@ def print_roofline_table(roof: dict) -> None:
         f"time ÷ bandwidth"
     )
     print(
-        f"{'B':>2} {'variant':<22}{'ms/step':>9}{'tok/s':>8}{'GB/s':>7}{'roofline':>9}"
+        f"{'B':>2} {'variant':<29}{'ms/step':>9}{'tok/s':>8}{'GB/s':>7}{'roofline':>9}"
         f"{'×HF fp32':>9}{'×HF bf16':>9}{'as fp32':>8}"
     )
     for r in roof["rows"]:
         print(
-            f"{r['batch']:>2} {r['variant']:<22}{r['step_ms']:>9.1f}{r['tokens_per_s']:>8.1f}"
+            f"{r['batch']:>2} {r['variant']:<29}{r['step_ms']:>9.1f}{r['tokens_per_s']:>8.1f}"
             f"{r['read_gb_per_s']:>7.1f}{r['roofline']:>9.0%}{r['vs_theirs_fp32']:>9.2f}"
             f"{r['vs_theirs_bf16']:>9.2f}{r['agrees_with_fp32']:>8.0%}"
         )
@@ -229,7 +229,7 @@ def print_roofline_table(roof: dict) -> None:
         )
         for k, c in roof["ceiling"]["kernels"].items():
             print(
-                f"   {k:<24}{c['step_ms']:>9.1f}{'':>8}{c['read_gb_per_s']:>7.1f}"
+                f"   {k:<31}{c['step_ms']:>9.1f}{'':>8}{c['read_gb_per_s']:>7.1f}"
                 f"{c['roofline']:>9.0%}"
             )
         print(f"{roof['ceiling']['verdict']}; {roof['ceiling']['roofline_verdict']}")

@@ -195,12 +195,14 @@ def _check_paged(results: dict, out: str) -> None:
 
 
 def _check_roofline(results: dict, out: str, bench) -> None:
-    """Section 12: six variants a batch, each with its roofline share computed from its own
-    bytes and time; float32 tokens equal to LlamaForCausalLM's; the trained model's losses."""
+    """Section 12: six variants a batch and the compiled one at batch 1, each with its roofline
+    share computed from its own bytes and time; float32 tokens equal to LlamaForCausalLM's; the
+    trained model's losses."""
     roof = results["roofline"]
     assert roof["bandwidth_gb_per_s"] > 0
     variants = [r["variant"] for r in roof["rows"]]
-    assert variants == [*bench.roofline.VARIANTS] * 2
+    batch_8 = [v for v in bench.roofline.VARIANTS if v not in bench.roofline.BATCH_1_ONLY]
+    assert variants == [*bench.roofline.VARIANTS, *batch_8]
     for r in roof["rows"]:
         per_s = r["step_bytes"] / (r["step_ms"] / 1e3)
         assert r["roofline"] == pytest.approx(per_s / (roof["bandwidth_gb_per_s"] * 1e9))
@@ -230,9 +232,17 @@ def _check_ceiling(roof: dict, out: str, bench) -> None:
         )
     for row, o in ceiling["outside_linears"].items():
         assert o["outside_ms"] == pytest.approx(step[row]["step_ms"] - o["kernels_ms"])
-    int8 = ceiling["kernels"]["int8 kernel (bf16 act.)"]["step_ms"]
-    assert ceiling["best_vs_theirs_fp32"] == pytest.approx(step["theirs fp32"]["step_ms"] / int8)
-    assert ceiling["verdict"] in out and roof["omp_wait_policy"]
+    theirs = step["theirs fp32"]["step_ms"]
+    for key, kernel in (
+        ("", "int8 kernel (bf16 act.)"),
+        ("compiled_", "int8 one-row product, compiled"),
+    ):
+        int8 = ceiling["kernels"][kernel]["step_ms"]
+        assert ceiling[f"{key}best_vs_theirs_fp32"] == pytest.approx(theirs / int8)
+    compiled = theirs / step["ours int8 compiled"]["step_ms"]
+    assert ceiling["compiled_reached_vs_theirs_fp32"] == pytest.approx(compiled)
+    assert ceiling["verdict"] in out and ceiling["roofline_verdict"] in out
+    assert roof["omp_wait_policy"]
 
 
 def _check_tiled(results: dict, out: str) -> None:

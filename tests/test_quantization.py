@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,6 +70,41 @@ def test_int8_kernel_equals_the_dequantized_matmul(dtype):
         x.requires_grad_(True)  # a gradient to x (LoRA upstream) takes the float path
         quantized(x).sum().backward()
         torch.testing.assert_close(x.grad, quantized.weight.sum(0).expand_as(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("group_size", [None, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_row_product_equals_the_dequantized_matmul(group_size, dtype):
+    """The one-row product ``torch.compile`` fuses (:meth:`QuantizedLinear._one_row`, called
+    eagerly here): per group the row's dot product with the integers, times the scale, in
+    float32 — the float32 product of the same integers and scales, rounded once to ``dtype``."""
+    torch.manual_seed(0)
+    quantized = QuantizedLinear(nn.Linear(128, 40, bias=False), bits=8, group_size=group_size)
+    x = torch.randn(1, 128).to(dtype)
+    exact = F.linear(x.double(), quantized.weight.double())
+    y = quantized._one_row(x)
+    assert y.shape == (1, 40) and y.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2**-8  # float32's sums; bf16's one rounding
+    torch.testing.assert_close(y.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
+def test_compiled_int8_layer_is_as_close_as_eager_on_one_row_and_several():
+    """Under ``torch.compile`` one row takes the fused product and several rows the
+    dequantizing path (the int8 kernel is not lowered by inductor): each as close to the float64
+    product as the eager layer, bias included."""
+    torch.manual_seed(0)
+    quantized = QuantizedLinear(nn.Linear(96, 64), bits=8).to(torch.bfloat16)
+    compiled = torch.compile(quantized)
+    for rows in (1, 3):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        exact = F.linear(x.double(), quantized.weight.double(), quantized.bias.double())
+        with torch.no_grad():
+            errors = [
+                (y.double() - exact).norm() / exact.norm() for y in (compiled(x), quantized(x))
+            ]
+        assert errors[0] <= 2 * errors[1] + 1e-3, errors
+    torch._dynamo.reset()
 
 
 @pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="no int8 kernel")

@@ -114,6 +114,12 @@ class QuantizedLinear(nn.Module):
     (``_weight_int4pack_mm_for_cpu``, on a copy packed two to a byte at construction) for bf16
     activations. Otherwise (other devices, dtypes or groups, training through it) the weight is
     dequantized on each call and multiplied in the activations' dtype.
+
+    Under ``torch.compile`` an int8 layer (any group size) given one row — a decoding step at
+    batch 1 — computes each output as a dot product of the row with the integers, group by
+    group, scaled in float32 (:meth:`_one_row`): the compiler fuses it into one loop that reads
+    each int8 weight once, where the kernels above are calls it cannot see into (section 12 of
+    ``make bench`` measures both).
     """
 
     def __init__(self, linear: nn.Linear, *, bits: int, group_size: int | None = None) -> None:
@@ -168,6 +174,7 @@ class QuantizedLinear(nn.Module):
             and x.dtype in INT8_KERNEL_DTYPES
             and hasattr(torch.ops.aten, "_weight_int8pack_mm")
             and not (x.requires_grad and torch.is_grad_enabled())  # the kernel has no backward
+            and not torch.compiler.is_compiling()  # inductor's lowering of it fails (torch 2.13)
         )
 
     def _uses_int4_kernel(self, x: Tensor) -> bool:
@@ -192,11 +199,24 @@ class QuantizedLinear(nn.Module):
             return converted
         return cached[3]
 
+    def _one_row(self, row: Tensor) -> Tensor:
+        """``(1, in)`` → ``(1, out)``: per output and group, the row's dot product with the
+        integers, times the group's scale, summed over the groups in float32 — written for
+        ``torch.compile`` to fuse into one pass over the int8 weight (eagerly it would
+        materialise the float weight)."""
+        out, groups = self.out_features, self.scale.size(1)
+        x = row.float().reshape(1, groups, -1)  # (1, G, g)
+        q = self.qweight.reshape(out, groups, -1).float()  # (out, G, g), fused: never stored
+        dots = (x * q).sum(-1)  # (out, G)
+        return (dots * self.scale.float()).sum(-1)[None].to(row.dtype)  # (1, out)
+
     def forward(self, x: Tensor) -> Tensor:
         """``(..., in)`` → ``(..., out)``."""
         self._check_input(x)
         rows = x.reshape(-1, self.in_features)  # (N, in)
-        if self._uses_int8_kernel(x):
+        if self.bits == 8 and rows.size(0) == 1 and torch.compiler.is_compiling():
+            y = self._one_row(rows)
+        elif self._uses_int8_kernel(x):
             y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self._int8_scale(x.dtype))
         elif self._uses_int4_kernel(x):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -110,7 +110,11 @@ class LayerCache(Protocol):
 
 def _own(x: Tensor) -> Tensor:
     """``x`` in a storage of its own: a slice of a larger tensor (the positions a window keeps)
-    would keep all of that tensor allocated."""
+    would keep all of that tensor allocated. Under ``torch.compile`` a storage's size is not
+    traceable: the view is kept, and what it holds on to is freed when the next step replaces
+    it (a growing cache's buffers are new tensors each step)."""
+    if torch.compiler.is_compiling():
+        return x
     return x if x.untyped_storage().nbytes() == x.nbytes else x.clone()
 
 
