@@ -7,7 +7,11 @@ unabsorbed step up-projects every cached latent to ``H`` keys and values; the ab
 folds the key's up-projection into the query and attends over the latents themselves. One
 token per row, in float32, as decoding runs. Through the model (``LanguageModel.step``, as
 ``generate()`` decodes: its own choice, the absorbed form, against every layer told to stay
-unabsorbed), one layer of the same widths after 1,024 and 4,096 cached positions.
+unabsorbed), one layer of the same widths after 1,024 and 4,096 cached positions; beside them,
+in the same turns, the absorbed step after a single cached position: the step's *fixed part*
+(embedding, projections, SwiGLU, norms, output layer — the same in both forms, whatever the
+cache holds), so that each form's attention over the cache is its step less that part, and the
+ratio a step can reach is bounded by how much of it the fixed part takes.
 """
 
 from __future__ import annotations
@@ -169,8 +173,10 @@ def bench_mla_steps(s: Settings, device: torch.device) -> list[dict]:
     prompt = torch.randint(0, STEP_VOCAB, (batch, longest), generator=g).to(device)
     token = torch.randint(0, STEP_VOCAB, (batch, 1), generator=g).to(device)
     cache = model.new_cache(batch, "preallocated", max_len=longest + 1)
+    one = model.new_cache(batch, "preallocated", max_len=2)  # the fixed part's: one position
     with torch.no_grad():
         model.step(prompt, cache)
+        model.step(prompt[:, :1], one)
     attention = model.layers[0].self_attn
     rows = []
     for cached in sorted(lengths, reverse=True):
@@ -178,11 +184,12 @@ def bench_mla_steps(s: Settings, device: torch.device) -> list[dict]:
         fns = {
             "absorbed": _model_step(model, token, cache, None),
             "unabsorbed": _model_step(model, token, cache, False),
+            "fixed": _model_step(model, token, one, True),
         }
-        outs = {name: fn() for name, fn in fns.items()}
+        outs = {name: fn() for name, fn in fns.items() if name != "fixed"}
         diff = (outs["absorbed"] - outs["unabsorbed"]).abs().max() / outs["unabsorbed"].abs().max()
         timed = interleaved(fns, s.repeats, s.warmup, device)
-        absorbed, unabsorbed = timed["absorbed"], timed["unabsorbed"]
+        absorbed, unabsorbed, fixed = timed["absorbed"], timed["unabsorbed"], timed["fixed"]
         attention.absorbed = None
         row = {
             "cached": cached,
@@ -192,14 +199,21 @@ def bench_mla_steps(s: Settings, device: torch.device) -> list[dict]:
             "absorbed_spread": absorbed["spread"],
             "unabsorbed_spread": unabsorbed["spread"],
             "ratio": unabsorbed["median_s"] / absorbed["median_s"],
+            "fixed_ms": 1e3 * fixed["median_s"],
             "fp32_logits_diff": diff.item(),
             "same_output": diff.item() <= OUTPUT_RTOL,
         }
+        fixed_share = row["fixed_ms"] / row["absorbed_ms"]
+        over = (row["absorbed_ms"] - row["fixed_ms"], row["unabsorbed_ms"] - row["fixed_ms"])
+        row["attention_ratio"] = over[1] / over[0] if over[0] > 0 else None
         rows.append(row)
         print(
             f"  model.step, B={batch} after S={cached}: generate()'s ({row['default_form']}) "
             f"{row['absorbed_ms']:8.2f} ms  unabsorbed {row['unabsorbed_ms']:8.2f} ms  ratio "
-            f"{row['ratio']:.2f}  (fp32 logits differ by {diff.item():.0e} of the largest)",
+            f"{row['ratio']:.2f}  (fp32 logits differ by {diff.item():.0e} of the largest); the "
+            f"fixed part (the step after 1 position) {row['fixed_ms']:.2f} ms, {fixed_share:.0%} "
+            f"of the absorbed step; attention over the cache: absorbed {over[0]:.2f} ms, "
+            f"unabsorbed {over[1]:.2f} ms",
             flush=True,
         )
     return rows[::-1]

@@ -128,12 +128,16 @@ def print_mla_table(r: dict) -> None:
     print(
         "through the model, one layer: model.step as generate() takes it ÷ every layer unabsorbed"
     )
-    print(f"{'S':>6}{'generate ms':>12}{'unabsorbed ms':>15}{'ratio':>7}{'spread':>12}  check")
+    print(
+        f"{'S':>6}{'generate ms':>12}{'unabsorbed ms':>15}{'ratio':>7}{'spread':>12}"
+        f"{'fixed ms':>10}  check"
+    )
     for step in r["model_steps"]:
         spread = f"{step['absorbed_spread']:.0%}/{step['unabsorbed_spread']:.0%}"
+        fixed = f"{step['fixed_ms']:>10.2f}" if "fixed_ms" in step else f"{'':>10}"
         print(
             f"{step['cached']:>6}{step['absorbed_ms']:>12.2f}{step['unabsorbed_ms']:>15.2f}"
-            f"{step['ratio']:>7.2f}{spread:>12}  {_same(step['same_output'])}"
+            f"{step['ratio']:>7.2f}{spread:>12}{fixed}  {_same(step['same_output'])}"
         )
 
 

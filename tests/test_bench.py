@@ -149,6 +149,10 @@ def _check_mla(results: dict, out: str) -> None:
     for r in steps:
         assert r["default_form"] == "absorbed" and r["same_output"]
         assert r["ratio"] == pytest.approx(r["unabsorbed_ms"] / r["absorbed_ms"])
+        over = r["absorbed_ms"] - r["fixed_ms"], r["unabsorbed_ms"] - r["fixed_ms"]
+        if over[0] > 0:  # the attention over the cache, each form's step less the fixed part
+            assert r["attention_ratio"] == pytest.approx(over[1] / over[0])
+    assert "the fixed part (the step after 1 position)" in out
     assert "through the model, one layer: model.step as generate() takes it" in out
 
 
