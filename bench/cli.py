@@ -74,6 +74,7 @@ class Settings:
     lengths: tuple[int, ...]
     tokens: dict[str, int]  # tokens a batch (sentences = tokens // length)
     compile_cells: tuple[tuple[str, int], ...]
+    compile_decoding: bool  # section 12's compiled decoding rows (lm.compiled.CompiledSteps)
     decode_config: str
     decode_tokens: tuple[int, ...]
     attention_lengths: tuple[int, ...]
@@ -111,6 +112,7 @@ class Settings:
             lengths=lengths,
             tokens=tokens,
             compile_cells=compile_cells,
+            compile_decoding=not args.no_compile,
             decode_config="tiny" if quick else ("base" if cuda else "small"),
             decode_tokens=(4, 8) if quick else (16, 32, 64, 128),
             attention_lengths=(64, 128) if quick else (128, 256, 512, 1024, 2048),
@@ -167,5 +169,9 @@ def run_meta(settings: Settings, device: torch.device, argv: list[str] | None) -
         "commit": git_commit()["commit"],
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
-        "hardware": hardware(device, settings.precision, compiled=bool(settings.compile_cells)),
+        "hardware": hardware(
+            device,
+            settings.precision,
+            compiled=bool(settings.compile_cells) or settings.compile_decoding,
+        ),
     }

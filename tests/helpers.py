@@ -3,6 +3,8 @@ not fixtures (those are in conftest.py, which uses these too)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,3 +154,9 @@ def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             norm = "ln" in name or "norm" in name
             p.copy_(noise + 1.0 if norm and name.endswith("weight") else noise)
     return model.eval()
+
+
+# torch.compile's CPU backend builds C++: without a compiler the compiled paths cannot run.
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None, reason="torch.compile needs a C++ compiler"
+)

@@ -5,9 +5,6 @@ refused."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -197,39 +194,6 @@ def test_cached_generation_equals_recomputing(settings):
     assert torch.equal(outs[0], outs[1])
 
 
-needs_compiler = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "g++")) is None, reason="torch.compile needs a C++ compiler"
-)
-
-
-@needs_compiler
-@pytest.mark.parametrize("cache_kind", ["preallocated", "growing"])
-def test_compiled_generation_equals_eager_and_does_not_recompile_a_length(cache_kind):
-    """``compiled=True``: the one-token steps through ``torch.compile`` give the eager tokens
-    (the tiny model's distributions are peaked: no near-tie for a float order to flip), two rows
-    and one, with a stop id. Once the lengths have turned into symbols, a call for another
-    number of new tokens (a preallocated cache of another size) compiles no new graph."""
-    lm = tiny_lm(seed=3)
-    torch._dynamo.reset()
-    graphs = torch._dynamo.utils.counters["stats"]
-
-    def both(prompt: torch.Tensor, n: int) -> None:
-        eager = generate(lm, prompt, n, greedy=True, eos_id=2, cache_kind=cache_kind)
-        compiled = generate(
-            lm, prompt, n, greedy=True, eos_id=2, cache_kind=cache_kind, compiled=True
-        )
-        assert torch.equal(compiled, eager), (prompt, n)
-
-    for prompt in (torch.tensor([[1, 4, 2], [3, 3, 3]]), torch.tensor([[5]])):
-        for n in (6, 12):
-            both(prompt, n)
-    before = graphs["unique_graphs"]
-    assert before >= 1
-    both(torch.tensor([[4]]), 9)
-    assert graphs["unique_graphs"] == before, dict(graphs)
-    torch._dynamo.reset()
-
-
 def test_generate_takes_a_ready_cache_of_any_kind():
     """``cache=``: the empty cache ``model.new_cache`` made, of any kind, changed in place:
     greedy's tokens from each."""
@@ -371,16 +335,6 @@ def test_bad_settings_are_refused(settings, error, phrase):
             lambda lm: generate(lm, torch.tensor([[1]]), 3, cache_kind="pinned"),
             ValueError,
             "cache_kind: kind must be one of",
-        ),
-        (
-            lambda lm: generate(lm, torch.tensor([[1]]), 3, compiled="yes"),
-            TypeError,
-            "compiled must be True or False",
-        ),
-        (
-            lambda lm: generate(lm, torch.tensor([[1]]), 3, compiled=True, use_cache=False),
-            ValueError,
-            "compiled=True compiles the cached one-token step: it needs use_cache",
         ),
     ],
 )

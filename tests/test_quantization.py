@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import raises
+from helpers import needs_compiler, raises
 from transformer_tutorial.lm.config import LLAMA, LMConfig
 from transformer_tutorial.lm.model import LanguageModel
 from transformer_tutorial.quantization import (
@@ -73,36 +71,41 @@ def test_int8_kernel_equals_the_dequantized_matmul(dtype):
 
 
 @pytest.mark.parametrize("group_size", [None, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 def test_one_row_product_equals_the_dequantized_matmul(group_size, dtype):
     """The one-row product ``torch.compile`` fuses (:meth:`QuantizedLinear._one_row`, called
-    eagerly here): per group the row's dot product with the integers, times the scale, in
-    float32 — the float32 product of the same integers and scales, rounded once to ``dtype``."""
+    eagerly here): per group the row's dot product with the integers, times the scale, plus the
+    bias, in float32 (float64 for float64) — rounded once to ``dtype``."""
     torch.manual_seed(0)
-    quantized = QuantizedLinear(nn.Linear(128, 40, bias=False), bits=8, group_size=group_size)
+    quantized = QuantizedLinear(nn.Linear(128, 40), bits=8, group_size=group_size)
     x = torch.randn(1, 128).to(dtype)
-    exact = F.linear(x.double(), quantized.weight.double())
+    weight = dequantize_weight(quantized.qweight, quantized.scale.double())  # no rounding
+    exact = F.linear(x.double(), weight, quantized.bias.double())
     y = quantized._one_row(x)
     assert y.shape == (1, 40) and y.dtype == dtype
-    tol = 1e-6 if dtype == torch.float32 else 2**-8  # float32's sums; bf16's one rounding
+    # float64: exact to its rounding; float32: its sums; bf16: one rounding of the result
+    tol = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 2**-8}[dtype]
     torch.testing.assert_close(y.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
-def test_compiled_int8_layer_is_as_close_as_eager_on_one_row_and_several():
-    """Under ``torch.compile`` one row takes the fused product and several rows the
-    dequantizing path (the int8 kernel is not lowered by inductor): each as close to the float64
-    product as the eager layer, bias included."""
+@needs_compiler
+def test_compiled_int8_layer_fuses_one_row_and_dequantizes_several():
+    """Under ``torch.compile`` one row takes the one-row product — the generated code calls no
+    int8 kernel and no matrix product, and its output is the eager ``_one_row``'s to float
+    order — and several rows the dequantizing path: as close to float64 as the eager layer."""
+    from torch._inductor.utils import run_and_get_code
+
     torch.manual_seed(0)
-    quantized = QuantizedLinear(nn.Linear(96, 64), bits=8).to(torch.bfloat16)
+    quantized = QuantizedLinear(nn.Linear(96, 64).bfloat16(), bits=8)  # float32 scales
     compiled = torch.compile(quantized)
-    for rows in (1, 3):
-        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        x = torch.randn(1, 96, dtype=torch.bfloat16)
+        y, [code] = run_and_get_code(compiled, x)
+        assert "int8pack" not in code and "mm(" not in code, code
+        torch.testing.assert_close(y, quantized._one_row(x), rtol=2**-7, atol=1e-3)
+        x = torch.randn(3, 96, dtype=torch.bfloat16)
         exact = F.linear(x.double(), quantized.weight.double(), quantized.bias.double())
-        with torch.no_grad():
-            errors = [
-                (y.double() - exact).norm() / exact.norm() for y in (compiled(x), quantized(x))
-            ]
+        errors = [(y.double() - exact).norm() / exact.norm() for y in (compiled(x), quantized(x))]
         assert errors[0] <= 2 * errors[1] + 1e-3, errors
     torch._dynamo.reset()
 

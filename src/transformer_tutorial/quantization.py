@@ -201,22 +201,26 @@ class QuantizedLinear(nn.Module):
 
     def _one_row(self, row: Tensor) -> Tensor:
         """``(1, in)`` → ``(1, out)``: per output and group, the row's dot product with the
-        integers, times the group's scale, summed over the groups in float32 — written for
+        integers, times the group's scale, summed over the groups, plus the bias — in float32
+        (float64 for a float64 row), rounded once to the row's dtype. Written for
         ``torch.compile`` to fuse into one pass over the int8 weight (eagerly it would
         materialise the float weight)."""
         out, groups = self.out_features, self.scale.size(1)
-        x = row.float().reshape(1, groups, -1)  # (1, G, g)
-        q = self.qweight.reshape(out, groups, -1).float()  # (out, G, g), fused: never stored
-        dots = (x * q).sum(-1)  # (out, G)
-        return (dots * self.scale.float()).sum(-1)[None].to(row.dtype)  # (1, out)
+        acc = torch.promote_types(row.dtype, torch.float32)
+        x = row.to(acc).reshape(1, groups, -1)  # (1, G, g)
+        q = self.qweight.reshape(out, groups, -1).to(acc)  # (out, G, g), fused: never stored
+        y = ((x * q).sum(-1) * self.scale.to(acc)).sum(-1)  # (out,)
+        if self.bias is not None:
+            y = y + self.bias.to(acc)
+        return y[None].to(row.dtype)  # (1, out)
 
     def forward(self, x: Tensor) -> Tensor:
         """``(..., in)`` → ``(..., out)``."""
         self._check_input(x)
         rows = x.reshape(-1, self.in_features)  # (N, in)
         if self.bits == 8 and rows.size(0) == 1 and torch.compiler.is_compiling():
-            y = self._one_row(rows)
-        elif self._uses_int8_kernel(x):
+            return self._one_row(rows).reshape(*x.shape[:-1], self.out_features)
+        if self._uses_int8_kernel(x):
             y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self._int8_scale(x.dtype))
         elif self._uses_int4_kernel(x):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(

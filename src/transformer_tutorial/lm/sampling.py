@@ -230,7 +230,6 @@ def generate(
     use_cache: bool = True,
     cache_kind: str | None = None,
     cache: LMCache | None = None,
-    compiled: bool = False,
 ) -> Tensor:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -241,11 +240,6 @@ def generate(
     ``cache_kind``: the kind of cache to make (:meth:`LanguageModel.new_cache`), ``"growing"``
     (None) or ``"preallocated"`` (for the prompt and every new token); or ``cache``: an empty
     cache already made (``model.new_cache``, of any kind), which the call fills.
-    ``compiled``: the one-token steps run through ``torch.compile`` (gpt-fast's recipe; the
-    prompt's step stays eager): the first call compiles, for tens of seconds, once a model, and
-    the cache's growing length is a symbol of the compiled graph, not a recompile a step. It pays
-    where a step is many small kernels and calls (batch 1, an int8 model: section 12 of ``make
-    bench``); the tokens are the eager step's up to the order of float sums.
 
     Reads back from the device: the prompt's id range once, then one read a token with
     ``eos_id`` ("has every row finished?") and none without (without ``use_cache`` each
@@ -264,10 +258,6 @@ def generate(
     check_stop_ids(model, eos_id=eos_id, pad_id=pad_id)
     check_sampling(temperature, top_k, top_p)
     check_cache_choice(cache, cache_kind, use_cache)
-    check_bool("compiled", compiled)
-    if compiled and not use_cache:
-        raise ValueError("compiled=True compiles the cached one-token step: it needs use_cache")
-    step = torch.compile(model.step) if compiled else model.step
     total = prompt.size(1) + max_new_tokens
     fill = eos_id if pad_id is None else pad_id
     ids = prompt
@@ -294,7 +284,7 @@ def generate(
         if ids.size(1) == total or (eos_id is not None and finished.all()):  # a read
             break
         if use_cache:  # the model's own tokens: no range check (no read)
-            logits, cache = step(token[:, None], cache, check_ids=False)
+            logits, cache = model.step(token[:, None], cache, check_ids=False)
         else:
             logits = model(ids)
     return ids
