@@ -63,7 +63,7 @@ SECTIONS = (
     ("11. chapter 22's tiled attention vs F.sdpa (a report: no goal)", "tiled", bench_tiled),
     (
         "12. greedy decoding against the memory-bandwidth roofline: ours in float32, bf16, int8 "
-        "and int4 vs LlamaForCausalLM in float32 and bf16",
+        "and int4 (bf16 and int8 compiled) vs LlamaForCausalLM in float32 and bf16",
         "roofline",
         bench_roofline,
     ),

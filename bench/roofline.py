@@ -1,6 +1,9 @@
 """Section 12: greedy decoding at the capstone's size against the machine's memory-bandwidth
 roofline — ours in float32, bf16, int8 weight-only and int4 weight-only (both with bf16
-activations), against ``transformers``' ``LlamaForCausalLM`` in float32 and bf16, in one run.
+activations), and at batch 1 ours in bf16 and int8 with the one-token step compiled
+(:class:`~transformer_tutorial.lm.compiled.CompiledSteps`, left out with ``--no-compile`` or
+where compiling fails), against ``transformers``' ``LlamaForCausalLM`` in float32 and bf16
+(eager), in one run.
 
 A decoding step reads every weight once (the embedding table excepted: a step reads one row of
 it a sequence) and does about one multiply-add per weight and row, so at batch 1 its time is
@@ -20,15 +23,15 @@ model's linear layers, each called once in the model's order on one row (batch 1
 weights, so a pass reads what a decoding step reads), with the kernel each variant runs —
 ``F.linear`` in float32 and bf16 as ``LlamaForCausalLM`` runs them, PyTorch's int8 and int4
 weight-only kernels with bf16 activations as ``QuantizedLinear`` calls them, and
-``QuantizedLinear`` itself (its own cost per call: the difference). A run of as many passes as
-the decoding run has steps is timed in the same turns as batch 1's decoding runs, so that a
-loaded machine weighs on both alike. A pass is the fastest a decoding step could be with these
-kernels and nothing else; the section reports it as GB/s, as its share of the roofline, as the
-best ratio to ``LlamaForCausalLM`` float32 a step of them could reach, and, by subtraction, each
-decoding row's time outside its linear layers (attention, norms, rotary, the cache, the Python
-loop). OpenMP's wait policy is recorded: with ``OMP_WAIT_POLICY=PASSIVE`` idle threads sleep,
-and each of the kernels' parallel calls pays for waking them.
-"""
+``QuantizedLinear`` itself (its own cost per call: the difference), and the one-row int8
+products the compiled step fuses (one compiled call for the layers of each shape). A run of as
+many passes as the decoding run has steps is timed in the same turns as batch 1's decoding runs,
+so that a loaded machine weighs on both alike. A pass is the fastest a decoding step could be
+with these kernels and nothing else; the section reports it as GB/s, as its share of the
+roofline, as the best ratio to ``LlamaForCausalLM`` float32 a step of them could reach, and, by
+subtraction, each decoding row's time outside its linear layers (attention, norms, rotary, the
+cache, the Python loop). OpenMP's wait policy is recorded: with ``OMP_WAIT_POLICY=PASSIVE`` idle
+threads sleep, and each of the kernels' parallel calls pays for waking them."""
 
 from __future__ import annotations
 
@@ -445,7 +448,7 @@ def _print_ceiling(ceiling: dict, policy: str) -> None:
             f"{s['layers']}×{s['shape'][0]}×{s['shape'][1]} {s['ms']:.2f}" for s in c["shapes"]
         )
         print(
-            f"  kernel ceiling {k:<24} {c['step_ms']:6.1f} ms a pass, {c['read_gb_per_s']:5.1f} "
+            f"  kernel ceiling {k:<30} {c['step_ms']:6.1f} ms a pass, {c['read_gb_per_s']:5.1f} "
             f"GB/s = {c['roofline']:.0%} of the roofline (ms by shape: {shapes})",
             flush=True,
         )
