@@ -165,9 +165,13 @@ CHAPTER_RECORDS |= {
         "bench/results/intel-xeon/cpu-2.13.0+cpu.json",
         "bench/results/amd-epyc-decoding/sections-9-10-12.json",
         "bench/results/amd-epyc-decoding/section-9-copy-task.json",
-        "bench/results/amd-epyc-decoding/section-8.json",
-        "bench/results/amd-epyc-decoding/section-12.json",
-        "bench/results/amd-epyc-decoding/section-12-quieter-batch1.json",
+        "bench/results/amd-epyc-decoding/section-8-fixed-part-1.json",
+        "bench/results/amd-epyc-decoding/section-8-fixed-part-2.json",
+        "bench/results/amd-epyc-decoding/section-8-fixed-part-3.json",
+        "bench/results/amd-epyc-decoding/section-12-compiled.json",
+        "bench/results/amd-epyc-decoding/section-12-compiled-2.json",
+        "bench/results/amd-epyc-decoding/section-12-compiled-3.json",
+        "bench/results/amd-epyc-decoding/section-12-compiled-passive.json",
     ]
 }
 IMPORTS = """
@@ -203,6 +207,29 @@ def test_the_package_ships_each_results_folder_as_a_data_package():
         v: k.removeprefix("transformer_tutorial.") for k, v in setuptools["package-dir"].items()
     }
     assert all(mapped[folder] == name for folder, name in records.SHIPPED_FOLDERS.items())
+
+
+def test_every_bench_record_a_chapter_names_is_one_the_tests_ship():
+    """Each ``….json`` of bench/results/ that a chapter's code names — literally, or as an
+    f-string with ``{i}`` over files that exist — is in CHAPTER_RECORDS (and so, by the wheel
+    test, shipped): a chapter run from a wheel, as in Colab, finds it."""
+    import glob
+    import re
+
+    named = set()
+    for notebook in sorted((ROOT / "chapters").glob("*.ipynb")):
+        cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        for name in re.findall(r"[\w.+{}/-]+\.json", code):
+            pattern = re.sub(r"\{[^}]*\}", "*", name.split("/")[-1])
+            named |= {
+                Path(f).relative_to(ROOT).as_posix()
+                for f in glob.glob(
+                    str(ROOT / "bench" / "results" / "**" / pattern), recursive=True
+                )
+            }
+    assert named, "no chapter names a bench record: the search is broken"
+    assert named <= set(CHAPTER_RECORDS.values()), named - set(CHAPTER_RECORDS.values())
 
 
 @pytest.mark.slow
