@@ -45,7 +45,9 @@ def peaked_lm(seed: int = 0, **changes) -> LanguageModel:
 
 @pytest.fixture
 def fresh_dynamo():
+    """No compiled graph from an earlier test, and its counters from zero (reset keeps them)."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     yield torch._dynamo.utils.counters["stats"]
     torch._dynamo.reset()
 
