@@ -66,6 +66,19 @@ class CacheLayout:
                     f"seq_dim={self.seq_dim} is past the last dimension of (B, *{shape})"
                 )
 
+    def __eq__(self, other: object) -> bool:
+        """The same layout: the same object first (what a model's own caches hold, and what
+        ``torch.compile`` can always trace), else the same fields."""
+        if self is other:
+            return True
+        if not isinstance(other, CacheLayout):
+            return NotImplemented
+        return (self.names, self.shapes, self.seq_dim) == (
+            other.names,
+            other.shapes,
+            other.seq_dim,
+        )
+
     def shape(self, i: int, batch_size: int, length: int) -> tuple[int, ...]:
         """Tensor ``i``'s whole shape for ``batch_size`` rows of ``length`` positions."""
         rest = self.shapes[i]

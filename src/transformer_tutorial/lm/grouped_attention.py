@@ -86,14 +86,7 @@ def check_attention_input(
     check_tensor("x", x, kind="float", dims=3, shape=f"(B, L, D={D})")
     if x.size(-1) != D:
         raise ValueError(f"x must be (B, L, D={D}), got {tuple(x.shape)}")
-    layout = getattr(cache, "layout", None)
-    # `is` first: the caches new_cache makes hold the attention's own layout object, and a
-    # comparison field by field is one torch.compile cannot always trace.
-    if (
-        cache is not None
-        and layout is not attention.cache_layout
-        and layout != attention.cache_layout
-    ):
+    if cache is not None and getattr(cache, "layout", None) != attention.cache_layout:
         raise TypeError(
             f"cache must keep {attention.cache_layout} (the attention's cache_layout), got "
             f"{type(cache).__name__} keeping {getattr(cache, 'layout', None)}"

@@ -221,7 +221,7 @@ class LanguageModel(nn.Module):
             )
         for i, (layer, held) in enumerate(zip(self.layers, cache.layers, strict=True)):
             wanted, holds = layer.self_attn.cache_layout, getattr(held, "layout", None)
-            if holds is not wanted and holds != wanted:  # `is`: see check_attention_input
+            if holds != wanted:
                 raise ValueError(
                     f"layer {i}'s attention keeps {wanted}; its cache ({type(held).__name__}) "
                     f"keeps {holds}: make the cache with this model's new_cache"
